@@ -1,0 +1,67 @@
+//! The Backend trait: the coarse operations a decoder needs. Model code is written once over it; the
+//! CPU backend is the reference every other backend is tested against.
+
+pub mod cpu;
+
+use crate::quant::QuantMatrix;
+use crate::Result;
+
+/// Rotary embedding parameters shared by every layer: `inv_freq[i]` rotates the pair
+/// (x[i], x[i + head_dim/2]) of each head by `position * inv_freq[i]` (the "rotate half" layout).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    pub head_dim: usize,
+    pub inv_freq: Vec<f32>,
+}
+
+/// Shape of one attention call: `num_heads` query heads share `num_kv_heads` key/value heads.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+pub trait Backend: Send + Sync {
+    /// Activations: a row-major `[rows, cols]` matrix with f32 semantics, one row per token.
+    type Tensor: Send + Sync;
+    /// A weight matrix `[out_features, in_features]` in its stored format.
+    type Weight: Send + Sync;
+    /// Keys and values of one layer for every cached position.
+    type KvCache: Send;
+
+    /// A short human-readable description ("cpu (2 threads)").
+    fn describe(&self) -> String;
+
+    fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight>;
+    /// A 1-row tensor (norm weights, biases).
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Tensor>;
+    fn new_kv_cache(&self, kv_width: usize) -> Result<Self::KvCache>;
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+
+    /// Rows of `table` for each token: `[tokens.len(), table.cols]`.
+    fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Result<Self::Tensor>;
+    /// RMSNorm over consecutive groups of `weight.len()` values (a whole row, or one head).
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// `x [T, in] · wᵀ [in, out] (+ bias) -> [T, out]`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Tensor>) -> Result<Self::Tensor>;
+    /// Rotates every head of every row; row t is at position `start_pos + t`.
+    fn rope(&self, x: &mut Self::Tensor, rope: &Rope, start_pos: usize) -> Result<()>;
+    /// Writes `k`, `v` (`[T, kv_heads*head_dim]`) into the cache at `start_pos..start_pos+T`, then
+    /// causal attention of `q` (`[T, heads*head_dim]`) over positions `0..=start_pos+t`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::KvCache,
+        start_pos: usize,
+        shape: AttentionShape,
+    ) -> Result<Self::Tensor>;
+    /// `silu(gate) * up`, elementwise.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// The last row of `x` as a `[1, cols]` tensor.
+    fn last_row(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+}

@@ -1,0 +1,74 @@
+//! `atlas bench`: prefill and decode throughput, printed like llama-bench.
+
+use std::time::Instant;
+
+use atlas::sampling::Rng;
+use atlas::{EngineOptions, Error, Result};
+use clap::Args;
+
+use crate::LoadArgs;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    load: LoadArgs,
+    /// Prompt lengths to prefill (comma-separated); 0 skips prefill tests.
+    #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
+    n_prompt: Vec<usize>,
+    /// Tokens to generate one by one (comma-separated); 0 skips decode tests.
+    #[arg(short = 'n', long, value_delimiter = ',', default_value = "128")]
+    n_gen: Vec<usize>,
+    /// Context already in the cache before each test (comma-separated).
+    #[arg(short = 'd', long, value_delimiter = ',', default_value = "0")]
+    depth: Vec<usize>,
+    /// Repetitions of each test; the table shows mean ± standard deviation.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    repetitions: usize,
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    if args.repetitions == 0 {
+        return Err(Error::InvalidArgument("--repetitions must be at least 1".into()));
+    }
+    let mut opts: EngineOptions = args.load.options()?;
+    let longest = args.depth.iter().max().unwrap_or(&0)
+        + args.n_prompt.iter().chain(&args.n_gen).max().unwrap_or(&0);
+    opts.ctx_size = Some(opts.ctx_size.unwrap_or(0).max(longest));
+    let mut engine = crate::load_engine(&opts)?;
+    let vocab = engine.config().vocab_size as u64;
+    let mut rng = Rng::new(1);
+    let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
+
+    let model = format!("{} {}L/{}H", engine.report().architecture, engine.config().num_layers, engine.config().hidden_size);
+    let backend = engine.report().device.clone();
+    println!("| {:<24} | {:<24} | {:>14} | {:>20} |", "model", "backend", "test", "t/s");
+    println!("| {:-<24} | {:-<24} | {:->14} | {:->20} |", "", "", "", "");
+    let mut tests: Vec<(String, usize, usize, bool)> = Vec::new();
+    for &d in &args.depth {
+        let at = if d > 0 { format!(" @ d{d}") } else { String::new() };
+        tests.extend(args.n_prompt.iter().filter(|&&n| n > 0).map(|&n| (format!("pp{n}{at}"), d, n, true)));
+        tests.extend(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| (format!("tg{n}{at}"), d, n, false)));
+    }
+    for (name, depth, n, prefill) in tests {
+        let mut rates = Vec::with_capacity(args.repetitions);
+        for _ in 0..args.repetitions {
+            if depth > 0 {
+                engine.forward(&random_tokens(depth), 0)?;
+            }
+            let tokens = random_tokens(n);
+            let t = Instant::now();
+            if prefill {
+                engine.forward(&tokens, depth)?;
+            } else {
+                for (i, tok) in tokens.iter().enumerate() {
+                    engine.forward(&[*tok], depth + i)?;
+                }
+            }
+            rates.push(n as f64 / t.elapsed().as_secs_f64());
+        }
+        let mean = rates.iter().sum::<f64>() / rates.len() as f64;
+        let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (rates.len().max(2) - 1) as f64).sqrt();
+        println!("| {:<24} | {:<24} | {:>14} | {:>20} |", model, backend, name, format!("{mean:.2} ± {sd:.2}"));
+    }
+    Ok(())
+}

@@ -1,0 +1,285 @@
+//! The `atlas` command line: run, chat, info, logits, generate, bench.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use atlas::engine::{model_dir, Device};
+use atlas::model::LoadProgress;
+use atlas::sampling::SamplingParams;
+use atlas::{Engine, EngineOptions, Error, GenerateRequest, Result};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{json, Map, Value};
+
+mod bench;
+mod info;
+
+#[derive(Parser)]
+#[command(name = "atlas", version, about = "Atlas: run Qwen3-family and Llama models from Hugging Face checkpoints")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Answer one chat turn: the prompt goes through the model's chat template and the answer is
+    /// streamed to stdout (timings go to stderr).
+    Run {
+        #[command(flatten)]
+        load: LoadArgs,
+        #[command(flatten)]
+        gen: GenArgs,
+        /// The user message.
+        prompt: String,
+    },
+    /// An interactive conversation with history. Type /reset to start over, /exit (or Ctrl-D) to quit.
+    Chat {
+        #[command(flatten)]
+        load: LoadArgs,
+        #[command(flatten)]
+        gen: GenArgs,
+    },
+    /// Describe a model directory without loading it: architecture, parameters, dtypes, memory.
+    Info {
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// Print the last position's logits for a token sequence as {"logits": [...]} (config.vocab_size
+    /// f32 values), to compare Atlas with another implementation.
+    Logits {
+        #[command(flatten)]
+        load: LoadArgs,
+        /// Comma-separated token ids, e.g. 1,2,3.
+        #[arg(long, value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+    },
+    /// Print N greedy new tokens for a token sequence as {"tokens": [...]}; does not stop at eos.
+    Generate {
+        #[command(flatten)]
+        load: LoadArgs,
+        /// Comma-separated token ids, e.g. 1,2,3.
+        #[arg(long, value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+        /// How many tokens to generate.
+        #[arg(long)]
+        max_tokens: usize,
+    },
+    /// Measure prefill and decode speed, printed as a llama-bench-like table.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args, Clone)]
+pub struct LoadArgs {
+    /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json, ...).
+    #[arg(short, long)]
+    model: PathBuf,
+    /// Where to run: auto, cpu, cuda or hip.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Context size in tokens (prompt + answer); default: the model's limit, at most 4096.
+    #[arg(short = 'c', long)]
+    ctx_size: Option<usize>,
+    /// CPU threads; 0 uses every core.
+    #[arg(short, long, default_value_t = 0)]
+    threads: usize,
+}
+
+impl LoadArgs {
+    fn options(&self) -> Result<EngineOptions> {
+        Ok(EngineOptions {
+            model_dir: model_dir(&self.model)?,
+            device: self.device.parse::<Device>()?,
+            ctx_size: self.ctx_size,
+            threads: self.threads,
+        })
+    }
+
+    pub fn load(&self) -> Result<Engine> {
+        load_engine(&self.options()?)
+    }
+}
+
+/// Loads with a progress line on stderr when it is a terminal.
+pub fn load_engine(opts: &EngineOptions) -> Result<Engine> {
+    let tty = std::io::stderr().is_terminal();
+    let mut last_percent = usize::MAX;
+    let mut progress = |p: LoadProgress| {
+        let percent = p.tensors_done * 100 / p.tensors_total.max(1);
+        if tty && percent != last_percent {
+            last_percent = percent;
+            eprint!("\rloading: {percent:3}% ({} tensors, {:.1} MB)", p.tensors_done, p.bytes_done as f64 / 1e6);
+        }
+    };
+    let engine = Engine::load(opts, &mut progress)?;
+    if tty {
+        eprint!("\r\x1b[K");
+    }
+    let r = engine.report();
+    eprintln!("loaded {} ({}) on {} in {:.0} ms, context {}", r.model_dir, r.architecture, r.device, r.load_ms, r.ctx_size);
+    Ok(engine)
+}
+
+#[derive(Args, Clone)]
+struct GenArgs {
+    /// Maximum tokens in the answer (default: up to the end of the context).
+    #[arg(short = 'n', long)]
+    max_tokens: Option<usize>,
+    /// Sampling temperature; 0 is greedy. Default: the model's generation_config.json.
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    /// Random seed; the same seed gives the same answer.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// A system message to start the conversation with.
+    #[arg(long)]
+    system: Option<String>,
+    /// Turn the model's thinking off (chat_template_kwargs enable_thinking=false).
+    #[arg(long)]
+    no_think: bool,
+}
+
+impl GenArgs {
+    fn sampling(&self, engine: &Engine) -> SamplingParams {
+        let d = engine.default_sampling();
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repeat_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            seed: self.seed,
+        }
+    }
+
+    fn kwargs(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        if self.no_think {
+            m.insert("enable_thinking".into(), Value::Bool(false));
+        }
+        m
+    }
+
+    fn first_messages(&self) -> Vec<Value> {
+        self.system.iter().map(|s| json!({"role": "system", "content": s})).collect()
+    }
+}
+
+/// One assistant turn: streams the answer to stdout and returns its text.
+fn answer(engine: &mut Engine, gen: &GenArgs, messages: &[Value]) -> Result<String> {
+    let prompt = engine.chat_prompt(&Value::Array(messages.to_vec()), None, &gen.kwargs())?;
+    let req = GenerateRequest {
+        prompt,
+        max_tokens: gen.max_tokens,
+        sampling: gen.sampling(engine),
+        stop: gen.stop.clone(),
+        ignore_eos: false,
+    };
+    let mut stdout = std::io::stdout();
+    let out = engine.generate(&req, &mut |piece| {
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+        true
+    })?;
+    println!();
+    eprintln!(
+        "[prompt {} tokens ({} cached) {:.1} ms, {:.1} t/s | answer {} tokens {:.1} ms, {:.1} t/s | {:?}]",
+        out.prompt_tokens,
+        out.cached_tokens,
+        out.prompt_ms,
+        (out.prompt_tokens - out.cached_tokens) as f64 / (out.prompt_ms / 1e3),
+        out.tokens.len(),
+        out.decode_ms,
+        out.tokens.len() as f64 / (out.decode_ms / 1e3),
+        out.finish_reason
+    );
+    Ok(out.text)
+}
+
+fn chat(load: &LoadArgs, gen: &GenArgs) -> Result<()> {
+    let mut engine = load.load()?;
+    let mut messages = gen.first_messages();
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).map_err(|e| Error::io("stdin", e))? == 0 {
+            return Ok(());
+        }
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(()),
+            "/reset" => {
+                messages = gen.first_messages();
+                continue;
+            }
+            text => messages.push(json!({"role": "user", "content": text})),
+        }
+        match answer(&mut engine, gen, &messages) {
+            Ok(reply) => messages.push(json!({"role": "assistant", "content": reply})),
+            Err(e) => {
+                eprintln!("error: {e}");
+                messages.pop();
+            }
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Run { load, gen, prompt } => {
+            let mut engine = load.load()?;
+            let mut messages = gen.first_messages();
+            messages.push(json!({"role": "user", "content": prompt}));
+            answer(&mut engine, &gen, &messages).map(|_| ())
+        }
+        Command::Chat { load, gen } => chat(&load, &gen),
+        Command::Info { load } => info::print(&load.options()?),
+        Command::Logits { load, tokens } => {
+            let logits = load.load()?.logits(&tokens)?;
+            println!("{}", json!({ "logits": logits }));
+            Ok(())
+        }
+        Command::Generate { load, tokens, max_tokens } => {
+            let mut engine = load.load()?;
+            let req = GenerateRequest {
+                prompt: tokens,
+                max_tokens: Some(max_tokens),
+                sampling: SamplingParams::default(),
+                stop: Vec::new(),
+                ignore_eos: true,
+            };
+            let out = engine.generate_raw(&req)?;
+            println!("{}", json!({ "tokens": out.tokens }));
+            Ok(())
+        }
+        Command::Bench(args) => bench::run(&args),
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,387 @@
+//! The engine: one loaded model with its tokenizer, chat template and KV cache. It turns a prompt
+//! into tokens and text, reusing the cached prefix of the previous request.
+
+mod stop;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub use stop::{StopMatcher, StopOutcome};
+
+use crate::backend::cpu::CpuBackend;
+use crate::chat::ChatTemplate;
+use crate::model::safetensors::SafetensorsStore;
+use crate::model::{Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::{Detokenizer, Tokenizer};
+use crate::{Error, Result};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+    Hip,
+}
+
+impl std::str::FromStr for Device {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda),
+            "hip" | "rocm" => Ok(Device::Hip),
+            other => Err(Error::InvalidArgument(format!("device {other:?} (expected auto, cpu, cuda or hip)"))),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub model_dir: PathBuf,
+    pub device: Device,
+    /// Maximum prompt + generated tokens; None: the model's limit, capped at 4096 (as llama.cpp).
+    pub ctx_size: Option<usize>,
+    /// CPU threads; 0 uses every core.
+    pub threads: usize,
+}
+
+impl EngineOptions {
+    pub fn new(model_dir: impl Into<PathBuf>) -> Self {
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0 }
+    }
+}
+
+/// What was loaded and where, for load reports and `atlas info`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LoadReport {
+    pub model_dir: String,
+    pub architecture: String,
+    pub device: String,
+    pub ctx_size: usize,
+    pub vocab_size: usize,
+    pub has_tokenizer: bool,
+    pub has_chat_template: bool,
+    pub load_ms: f64,
+}
+
+/// One generation: prompt tokens in, new tokens and text out.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// None: up to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Keep going past end-of-sequence tokens (for benchmarks and verification).
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values were reused from the previous request.
+    pub cached_tokens: usize,
+    pub prompt_ms: f64,
+    pub decode_ms: f64,
+}
+
+pub struct Engine {
+    model: Box<dyn LanguageModel>,
+    tokenizer: Option<Tokenizer>,
+    template: Option<ChatTemplate>,
+    defaults: GenerationDefaults,
+    ctx_size: usize,
+    /// Tokens whose keys and values are in the cache, in order.
+    cached: Vec<u32>,
+    report: LoadReport,
+}
+
+impl Engine {
+    pub fn load(opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
+        let start = Instant::now();
+        let dir = &opts.model_dir;
+        if !dir.is_dir() {
+            return Err(Error::bad_file(dir, "model directory not found"));
+        }
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let defaults = GenerationDefaults::from_dir(dir)?;
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = tokenizer_path.exists().then(|| Tokenizer::from_file(&tokenizer_path)).transpose()?;
+        let template = ChatTemplate::from_model_dir(dir)?;
+        let store = SafetensorsStore::open_dir(dir)?;
+        let ctx_size = resolve_ctx(opts.ctx_size, &config)?;
+        let model = bind(opts, config, &store, progress)?;
+        let report = LoadReport {
+            model_dir: dir.display().to_string(),
+            architecture: model.config().arch.name().to_string(),
+            device: model.backend_description(),
+            ctx_size,
+            vocab_size: model.config().vocab_size,
+            has_tokenizer: tokenizer.is_some(),
+            has_chat_template: template.is_some(),
+            load_ms: start.elapsed().as_secs_f64() * 1e3,
+        };
+        Ok(Engine { model, tokenizer, template, defaults, ctx_size, cached: Vec::new(), report })
+    }
+
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    pub fn ctx_size(&self) -> usize {
+        self.ctx_size
+    }
+
+    pub fn defaults(&self) -> &GenerationDefaults {
+        &self.defaults
+    }
+
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::InvalidRequest(format!("{} has no tokenizer.json: only token-id commands work", self.report.model_dir))
+        })
+    }
+
+    pub fn template(&self) -> Result<&ChatTemplate> {
+        self.template.as_ref().ok_or_else(|| {
+            Error::InvalidRequest(format!("{} has no chat template", self.report.model_dir))
+        })
+    }
+
+    /// Sampling settings from generation_config.json, the starting point of every request.
+    pub fn default_sampling(&self) -> SamplingParams {
+        let d = &self.defaults;
+        let base = SamplingParams::default();
+        SamplingParams {
+            temperature: d.temperature.unwrap_or(base.temperature),
+            top_k: d.top_k.unwrap_or(base.top_k),
+            top_p: d.top_p.unwrap_or(base.top_p),
+            min_p: d.min_p.unwrap_or(base.min_p),
+            repetition_penalty: d.repetition_penalty.unwrap_or(base.repetition_penalty),
+            ..base
+        }
+    }
+
+    /// End-of-sequence ids: generation_config.json's, else config.json's.
+    pub fn eos_ids(&self) -> &[u32] {
+        if self.defaults.eos_token_ids.is_empty() {
+            &self.model.config().eos_token_ids
+        } else {
+            &self.defaults.eos_token_ids
+        }
+    }
+
+    /// Logits of the last prompt position (`[vocab_size]`), computed from an empty cache.
+    pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward(tokens, 0)
+    }
+
+    /// Runs `tokens` at positions `start_pos..` on top of the first `start_pos` cached tokens and
+    /// returns the last logits (benchmarks drive the model through this).
+    pub fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
+        if start_pos > self.cached.len() {
+            return Err(Error::InvalidArgument(format!(
+                "start position {start_pos} is past the {} cached tokens",
+                self.cached.len()
+            )));
+        }
+        self.check_fits(start_pos + tokens.len(), 0)?;
+        self.cached.truncate(start_pos);
+        let logits = self.model.forward(tokens, start_pos)?;
+        self.cached.extend_from_slice(tokens);
+        Ok(logits)
+    }
+
+    /// Renders a conversation with the model's template and tokenizes it.
+    pub fn chat_prompt(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>> {
+        let text = self.template()?.render(messages, tools, true, kwargs)?;
+        self.tokenizer()?.encode(&text)
+    }
+
+    /// Generates up to `max_tokens` tokens. With a tokenizer, `on_text` receives each piece of new
+    /// text (never part of a UTF-8 character or of a stop string); it returns false to cancel.
+    /// Only ids the tokenizer can decode are ever chosen.
+    pub fn generate(&mut self, req: &GenerateRequest, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Generation> {
+        let vocab_limit = self.tokenizer.as_ref().map_or(usize::MAX, Tokenizer::vocab_size);
+        self.run(req, Some(vocab_limit), on_text)
+    }
+
+    /// Token ids only, over every one of the model's `vocab_size` logits and without detokenizing,
+    /// as transformers' own generate does: the reference for verification.
+    pub fn generate_raw(&mut self, req: &GenerateRequest) -> Result<Generation> {
+        self.run(req, None, &mut |_| true)
+    }
+
+    /// `vocab_limit`: None for raw ids without text; Some(n) to choose among ids below n and stream text.
+    fn run(
+        &mut self,
+        req: &GenerateRequest,
+        vocab_limit: Option<usize>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation> {
+        if req.prompt.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty".into()));
+        }
+        req.sampling.validate().map_err(Error::InvalidRequest)?;
+        let room = self.ctx_size.saturating_sub(req.prompt.len());
+        let max_tokens = match req.max_tokens {
+            Some(n) => {
+                self.check_fits(req.prompt.len(), n)?;
+                n
+            }
+            None if room == 0 => return Err(self.overflow(req.prompt.len(), 1)),
+            None => room,
+        };
+        let mut sampler = Sampler::new(req.sampling.clone(), vocab_limit.unwrap_or(usize::MAX));
+        let text_tokenizer = vocab_limit.and(self.tokenizer.as_ref());
+        let mut detok = Detokenizer::new(true);
+        let mut stops = StopMatcher::new(req.stop.clone());
+
+        // Reuse the longest common prefix; at least the last prompt token is run for its logits.
+        let prompt = &req.prompt;
+        let reuse = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
+        self.cached.truncate(reuse);
+        let t0 = Instant::now();
+        let mut logits = self.model.forward(&prompt[reuse..], reuse)?;
+        self.cached.extend_from_slice(&prompt[reuse..]);
+        let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+        let t1 = Instant::now();
+        let mut history = prompt.clone();
+        let mut out = Generation {
+            tokens: Vec::new(),
+            text: String::new(),
+            finish_reason: FinishReason::Length,
+            prompt_tokens: prompt.len(),
+            cached_tokens: reuse,
+            prompt_ms,
+            decode_ms: 0.0,
+        };
+        let mut stopped_by_string = false;
+        while out.tokens.len() < max_tokens {
+            let next = sampler.sample(&mut logits, &history, prompt.len());
+            history.push(next);
+            if !req.ignore_eos && self.eos_ids().contains(&next) {
+                out.finish_reason = FinishReason::Stop;
+                break;
+            }
+            out.tokens.push(next);
+            if let Some(tok) = text_tokenizer {
+                let piece = detok.push(tok, next)?;
+                stopped_by_string = emit(&mut stops, &piece, &mut out.text, on_text)?;
+                if stopped_by_string {
+                    out.finish_reason = FinishReason::Stop;
+                    break;
+                }
+            }
+            if out.tokens.len() == max_tokens {
+                break;
+            }
+            logits = self.model.forward(&[next], self.cached.len())?;
+            self.cached.push(next);
+        }
+        if let (Some(tok), false) = (text_tokenizer, stopped_by_string) {
+            let tail = detok.finish(tok)?;
+            if emit(&mut stops, &tail, &mut out.text, on_text)? {
+                out.finish_reason = FinishReason::Stop;
+            } else {
+                let held = stops.flush();
+                emit(&mut StopMatcher::new(Vec::new()), &held, &mut out.text, on_text)?;
+            }
+        }
+        out.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        Ok(out)
+    }
+
+    fn check_fits(&self, prompt: usize, new_tokens: usize) -> Result<()> {
+        if prompt + new_tokens > self.ctx_size {
+            return Err(self.overflow(prompt, new_tokens));
+        }
+        Ok(())
+    }
+
+    fn overflow(&self, prompt: usize, new_tokens: usize) -> Error {
+        Error::ContextOverflow(format!(
+            "{prompt} prompt tokens + {new_tokens} new tokens exceed the context of {} tokens",
+            self.ctx_size
+        ))
+    }
+}
+
+/// Passes `piece` through the stop matcher and hands the releasable text to `on_text`.
+/// Returns whether a stop string ended the text; a false from `on_text` cancels.
+fn emit(stops: &mut StopMatcher, piece: &str, text: &mut String, on_text: &mut dyn FnMut(&str) -> bool) -> Result<bool> {
+    let (released, stopped) = match stops.push(piece) {
+        StopOutcome::Continue(t) => (t, false),
+        StopOutcome::Stopped(t) => (t, true),
+    };
+    text.push_str(&released);
+    if !released.is_empty() && !on_text(&released) {
+        return Err(Error::Cancelled);
+    }
+    Ok(stopped)
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn resolve_ctx(requested: Option<usize>, config: &ModelConfig) -> Result<usize> {
+    match requested {
+        Some(0) => Err(Error::InvalidArgument("ctx_size must be greater than zero".into())),
+        Some(n) if n > config.max_position_embeddings => Err(Error::InvalidArgument(format!(
+            "ctx_size {n} exceeds the model's max_position_embeddings {}",
+            config.max_position_embeddings
+        ))),
+        Some(n) => Ok(n),
+        None => Ok(config.max_position_embeddings.min(4096)),
+    }
+}
+
+fn bind(
+    opts: &EngineOptions,
+    config: ModelConfig,
+    store: &SafetensorsStore,
+    progress: &mut dyn FnMut(LoadProgress),
+) -> Result<Box<dyn LanguageModel>> {
+    match opts.device {
+        Device::Auto | Device::Cpu => {
+            Ok(Box::new(Bound::load(CpuBackend::new(opts.threads)?, config, store, progress)?))
+        }
+        Device::Cuda | Device::Hip => Err(Error::Unsupported(format!(
+            "device {:?}: this build of Atlas runs on the CPU only (the GPU backend is not part of it yet)",
+            opts.device
+        ))),
+    }
+}
+
+/// Model directory given on the command line or in load options, checked for existence.
+pub fn model_dir(path: &Path) -> Result<PathBuf> {
+    if path.join("config.json").exists() {
+        Ok(path.to_path_buf())
+    } else {
+        Err(Error::bad_file(path, "not a model directory (no config.json)"))
+    }
+}

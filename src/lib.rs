@@ -1,0 +1,14 @@
+//! Atlas: a pure-Rust inference engine for Qwen3-family models, usable from Rust and (through the
+//! C ABI) from any C/C++ host.
+
+pub mod backend;
+pub mod chat;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod quant;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use engine::{Device, Engine, EngineOptions, FinishReason, GenerateRequest, Generation, LoadReport};
+pub use error::{Error, Result};

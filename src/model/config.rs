@@ -1,0 +1,235 @@
+//! config.json -> ModelConfig: the few numbers the model code needs, checked once at load.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen3,
+}
+
+impl Architecture {
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// How rotary frequencies are derived from `rope_theta` (transformers' `rope_type`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear { factor: f32 },
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: f32 },
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    /// Qwen3 normalises each query and key head (RMSNorm over head_dim) before RoPE.
+    pub qk_norm: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| Error::bad_file(path, format!("not valid JSON: {e}")))?;
+        Self::from_json(&json).map_err(|e| match e {
+            Error::InvalidArgument(reason) => Error::bad_file(path, reason),
+            other => other,
+        })
+    }
+
+    pub fn from_json(json: &Value) -> Result<Self> {
+        let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let arch = match model_type {
+            "qwen3" => Architecture::Qwen3,
+            "llama" => Architecture::Llama,
+            "" => return Err(Error::InvalidArgument("config.json has no model_type".into())),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "model_type {other:?} (supported: qwen3, llama)"
+                )))
+            }
+        };
+        let hidden_size = req_usize(json, "hidden_size")?;
+        let num_heads = req_usize(json, "num_attention_heads")?;
+        let num_kv_heads = opt_usize(json, "num_key_value_heads")?.unwrap_or(num_heads);
+        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )));
+        }
+        let head_dim = match opt_usize(json, "head_dim")? {
+            Some(d) => d,
+            None => hidden_size / num_heads,
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(Error::InvalidArgument(format!("head_dim {head_dim} must be even and non-zero")));
+        }
+        let act = json.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        if act != "silu" {
+            return Err(Error::Unsupported(format!("hidden_act {act:?} (only silu)")));
+        }
+        if json.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            return Err(Error::Unsupported("use_sliding_window = true".into()));
+        }
+        // transformers 5 moved rope_theta and rope_scaling into one `rope_parameters` object.
+        let rope = json.get("rope_parameters").filter(|v| v.is_object());
+        let rope_theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .or_else(|| json.get("rope_theta"))
+            .map(|v| v.as_f64().ok_or_else(|| bad_key("rope_theta", "a number")))
+            .transpose()?
+            .unwrap_or(10_000.0) as f32;
+        let scaling = rope.or_else(|| json.get("rope_scaling").filter(|v| v.is_object()));
+        let rope_scaling = parse_rope_scaling(scaling)?;
+        let eos_token_ids = token_ids(json.get("eos_token_id"), "eos_token_id")?;
+        let bos_token_id = token_ids(json.get("bos_token_id"), "bos_token_id")?.first().copied();
+
+        Ok(ModelConfig {
+            arch,
+            vocab_size: req_usize(json, "vocab_size")?,
+            hidden_size,
+            intermediate_size: req_usize(json, "intermediate_size")?,
+            num_layers: req_usize(json, "num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            max_position_embeddings: opt_usize(json, "max_position_embeddings")?.unwrap_or(4096),
+            rms_norm_eps: json.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: json.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            attention_bias: json.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+            mlp_bias: json.get("mlp_bias").and_then(Value::as_bool).unwrap_or(false),
+            qk_norm: arch == Architecture::Qwen3,
+            bos_token_id,
+            eos_token_ids,
+        })
+    }
+
+    pub fn q_width(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
+    let Some(v) = v else { return Ok(RopeScaling::None) };
+    let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |key: &str| -> Result<f32> {
+        v.get(key)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| bad_key(&format!("rope scaling {key}"), "a number"))
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position: num("original_max_position_embeddings")?,
+        }),
+        other => Err(Error::Unsupported(format!("rope_type {other:?} (supported: default, linear, llama3)"))),
+    }
+}
+
+fn bad_key(key: &str, expected: &str) -> Error {
+    Error::InvalidArgument(format!("config key {key} must be {expected}"))
+}
+
+fn opt_usize(json: &Value, key: &str) -> Result<Option<usize>> {
+    match json.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| bad_key(key, "a non-negative integer")),
+    }
+}
+
+fn req_usize(json: &Value, key: &str) -> Result<usize> {
+    match opt_usize(json, key)? {
+        Some(0) => Err(bad_key(key, "greater than zero")),
+        Some(v) => Ok(v),
+        None => Err(Error::InvalidArgument(format!("config.json is missing {key}"))),
+    }
+}
+
+/// `eos_token_id` may be one id or a list of ids (generation_config.json uses both forms).
+pub fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|x| x.as_u64().map(|id| id as u32).ok_or_else(|| bad_key(key, "a token id or a list of them")))
+            .collect(),
+        Some(x) => x.as_u64().map(|id| vec![id as u32]).ok_or_else(|| bad_key(key, "a token id or a list of them")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn qwen3() -> Value {
+        json!({"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+               "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "eos_token_id": [1, 2]})
+    }
+
+    #[test]
+    fn reads_qwen3_fields() {
+        let c = ModelConfig::from_json(&qwen3()).unwrap();
+        assert_eq!(c.arch, Architecture::Qwen3);
+        assert_eq!((c.q_width(), c.kv_width()), (128, 64));
+        assert_eq!(c.eos_token_ids, vec![1, 2]);
+        assert!(c.qk_norm);
+        assert_eq!(c.rope_theta, 1e6);
+    }
+
+    #[test]
+    fn reads_rope_parameters_of_transformers_5() {
+        let mut j = qwen3();
+        j.as_object_mut().unwrap().remove("rope_theta");
+        j["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 5000.0});
+        assert_eq!(ModelConfig::from_json(&j).unwrap().rope_theta, 5000.0);
+    }
+
+    #[test]
+    fn rejects_unknown_architecture_and_bad_gqa() {
+        let mut j = qwen3();
+        j["model_type"] = json!("mamba");
+        assert!(matches!(ModelConfig::from_json(&j), Err(Error::Unsupported(_))));
+        let mut j = qwen3();
+        j["num_key_value_heads"] = json!(3);
+        assert!(ModelConfig::from_json(&j).is_err());
+    }
+}

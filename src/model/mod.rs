@@ -1,0 +1,96 @@
+//! Model directories: config, weights, generation defaults; and the architectures built from them.
+
+pub mod config;
+pub mod qwen3;
+pub mod safetensors;
+pub mod weights;
+
+use std::path::Path;
+
+use serde_json::Value;
+
+pub use config::{Architecture, ModelConfig};
+pub use weights::{LoadProgress, WeightSource};
+
+use crate::backend::Backend;
+use crate::{Error, Result};
+
+/// A model bound to a backend with its own KV cache: what the engine drives.
+pub trait LanguageModel: Send {
+    fn config(&self) -> &ModelConfig;
+    /// Runs `tokens` at positions `start_pos..` and returns the last position's logits. Positions
+    /// from `start_pos` on are overwritten; earlier ones must come from earlier calls.
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>>;
+    fn backend_description(&self) -> String;
+}
+
+pub struct Bound<B: Backend> {
+    backend: B,
+    model: qwen3::Qwen3<B>,
+    cache: Vec<B::KvCache>,
+}
+
+impl<B: Backend> Bound<B> {
+    pub fn load(
+        backend: B,
+        config: ModelConfig,
+        source: &dyn WeightSource,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        let model = qwen3::Qwen3::load(config, source, &backend, progress)?;
+        let cache = model.new_cache(&backend)?;
+        Ok(Bound { backend, model, cache })
+    }
+}
+
+impl<B: Backend> LanguageModel for Bound<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidRequest("no tokens to run".into()));
+        }
+        self.model.forward(&self.backend, tokens, start_pos, &mut self.cache)
+    }
+
+    fn backend_description(&self) -> String {
+        self.backend.describe()
+    }
+}
+
+/// Sampling defaults and stop ids from `generation_config.json` (all optional).
+#[derive(Debug, Clone, Default)]
+pub struct GenerationDefaults {
+    pub eos_token_ids: Vec<u32>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl GenerationDefaults {
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("generation_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| Error::bad_file(&path, format!("not valid JSON: {e}")))?;
+        let num = |k: &str| json.get(k).and_then(Value::as_f64).map(|v| v as f32);
+        // do_sample = false means the checkpoint's authors want greedy decoding by default.
+        let greedy = json.get("do_sample").and_then(Value::as_bool) == Some(false);
+        Ok(GenerationDefaults {
+            eos_token_ids: config::token_ids(json.get("eos_token_id"), "eos_token_id")
+                .map_err(|e| Error::bad_file(&path, e.to_string()))?,
+            temperature: if greedy { Some(0.0) } else { num("temperature") },
+            top_k: json.get("top_k").and_then(Value::as_u64).map(|v| v as usize),
+            top_p: num("top_p"),
+            min_p: num("min_p"),
+            repetition_penalty: num("repetition_penalty"),
+        })
+    }
+}

@@ -1,0 +1,158 @@
+//! Hugging Face safetensors checkpoints (`model.safetensors`, or shards listed in
+//! `model.safetensors.index.json`), read over memory maps.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::weights::WeightSource;
+use crate::quant::{DType, DenseMatrix, QuantMatrix};
+use crate::{Error, Result};
+
+struct TensorEntry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range inside the shard's whole file.
+    start: usize,
+    end: usize,
+}
+
+pub struct SafetensorsStore {
+    shards: Vec<(PathBuf, Mmap)>,
+    tensors: HashMap<String, TensorEntry>,
+}
+
+impl SafetensorsStore {
+    /// Opens the checkpoint in `dir`: the index file when present, else `model.safetensors`.
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        let files = if index.exists() {
+            shard_files(&index)?.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            let single = dir.join("model.safetensors");
+            if !single.exists() {
+                return Err(Error::bad_file(
+                    dir,
+                    "no model.safetensors or model.safetensors.index.json in this directory",
+                ));
+            }
+            vec![single]
+        };
+        Self::open_files(&files)
+    }
+
+    pub fn open_files(files: &[PathBuf]) -> Result<Self> {
+        let mut store = SafetensorsStore { shards: Vec::new(), tensors: HashMap::new() };
+        for path in files {
+            let file = File::open(path).map_err(|e| Error::io(path, e))?;
+            // SAFETY: the file is opened read-only; like every mmap-based loader we rely on nobody
+            // truncating the checkpoint while it is loaded.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| Error::bad_file(path, format!("not a valid safetensors file: {e}")))?;
+            let data_start = 8 + header_len;
+            let shard = store.shards.len();
+            for (name, info) in metadata.tensors() {
+                let (begin, end) = info.data_offsets;
+                store.tensors.insert(
+                    name,
+                    TensorEntry {
+                        shard,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        start: data_start + begin,
+                        end: data_start + end,
+                    },
+                );
+            }
+            store.shards.push((path.clone(), mmap));
+        }
+        Ok(store)
+    }
+
+    /// (name, dtype, element count, bytes) of every tensor, for `atlas info`.
+    pub fn summary(&self) -> Vec<(&str, String, usize, usize)> {
+        self.tensors
+            .iter()
+            .map(|(name, e)| (name.as_str(), format!("{:?}", e.dtype), e.shape.iter().product(), e.end - e.start))
+            .collect()
+    }
+
+    fn entry(&self, name: &str) -> Result<&TensorEntry> {
+        self.tensors.get(name).ok_or_else(|| Error::bad_tensor(name, "missing from the checkpoint"))
+    }
+
+    fn bytes(&self, entry: &TensorEntry) -> &[u8] {
+        &self.shards[entry.shard].1[entry.start..entry.end]
+    }
+
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&TensorEntry, DType)> {
+        let entry = self.entry(name)?;
+        if entry.shape != shape {
+            return Err(Error::bad_tensor(
+                name,
+                format!("shape {:?} in {}, expected {:?}", entry.shape, self.shards[entry.shard].0.display(), shape),
+            ));
+        }
+        let dtype = match entry.dtype {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(Error::bad_tensor(name, format!("dtype {other:?} is not supported (f32, f16, bf16)")))
+            }
+        };
+        Ok((entry, dtype))
+    }
+}
+
+impl WeightSource for SafetensorsStore {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
+        let (entry, dtype) = self.checked(name, &[rows, cols])?;
+        Ok(Box::new(DenseMatrix::from_le_bytes(rows, cols, dtype, self.bytes(entry))))
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let (entry, dtype) = self.checked(name, &[len])?;
+        let m = DenseMatrix::from_le_bytes(1, len, dtype, self.bytes(entry));
+        let mut out = vec![0f32; len];
+        m.dequant_row(0, &mut out);
+        Ok(out)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn tensor_count(&self) -> usize {
+        self.tensors.len()
+    }
+}
+
+/// The distinct shard file names of an index, in first-seen order.
+fn shard_files(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::bad_file(index, format!("not valid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::bad_file(index, "no weight_map object"))?;
+    let mut files: Vec<String> = Vec::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| Error::bad_file(index, format!("weight_map entry {tensor} is not a file name")))?;
+        if file.contains('/') || file.contains('\\') || file.contains("..") {
+            return Err(Error::bad_file(index, format!("shard name {file:?} leaves the model directory")));
+        }
+        if !files.iter().any(|f| f == file) {
+            files.push(file.to_string());
+        }
+    }
+    Ok(files)
+}

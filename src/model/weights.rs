@@ -1,0 +1,23 @@
+//! Where model code gets its tensors from. Loaders (safetensors today) implement [`WeightSource`]
+//! under Hugging Face tensor names, so one model file serves every checkpoint format.
+
+use crate::quant::QuantMatrix;
+use crate::Result;
+
+pub trait WeightSource {
+    /// A `[rows, cols]` weight matrix; an error names the tensor when it is missing or mis-shaped.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>>;
+    /// A 1-D tensor of `len` elements as f32 (norm weights, biases).
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    fn contains(&self, name: &str) -> bool;
+    /// How many tensors the source holds, for progress reports.
+    fn tensor_count(&self) -> usize;
+}
+
+/// Progress of a load, reported after each tensor.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadProgress {
+    pub tensors_done: usize,
+    pub tensors_total: usize,
+    pub bytes_done: u64,
+}

@@ -1,0 +1,66 @@
+//! Weight formats. Every format implements [`QuantMatrix`]: a `[rows, cols]` matrix (rows = output
+//! features, cols = input features, as in `nn.Linear.weight`) that can hand out any row as f32. The CPU
+//! backend builds its products on that one method, so a new format needs only its dequantisation.
+
+mod dense;
+
+pub use dense::{DenseMatrix, DenseData};
+
+/// Element types a weight can be stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+}
+
+pub trait QuantMatrix: Send + Sync + std::fmt::Debug {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    fn dtype(&self) -> DType;
+    /// Bytes the matrix occupies in its stored format.
+    fn storage_bytes(&self) -> usize;
+    /// Writes row `row` as f32 into `out` (`out.len() == cols`).
+    fn dequant_row(&self, row: usize, out: &mut [f32]);
+}
+
+/// Dot product with a fixed summation order (eight interleaved partial sums, then a fixed tree), so
+/// results are reproducible and the compiler can vectorise the loop.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8 * 8;
+    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += ca[i] * cb[i];
+        }
+    }
+    let mut tail = 0f32;
+    for i in chunks..a.len() {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_f64_sum() {
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
+        let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        assert!((dot(&a, &b) as f64 - exact).abs() < 1e-5);
+    }
+}

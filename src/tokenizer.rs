@@ -1,0 +1,85 @@
+//! tokenizer.json through the `tokenizers` crate, and an incremental detokenizer for streaming.
+
+use std::path::Path;
+
+use crate::{Error, Result};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl Tokenizer {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::bad_file(path, format!("cannot read tokenizer: {e}")))?;
+        Ok(Tokenizer { inner })
+    }
+
+    pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
+        Tokenizer { inner }
+    }
+
+    /// Encodes text that already contains its special tokens (a rendered chat template), so no
+    /// BOS/EOS is added, as transformers' apply_chat_template(tokenize=True) does.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// Ids `0..vocab_size()` are the ones this tokenizer can decode.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+}
+
+/// Turns a growing token sequence into text pieces without ever splitting a UTF-8 character: a
+/// token that ends in the middle of a multi-byte character is held back until the next one
+/// completes it (the prefix-offset method of text-generation-inference).
+pub struct Detokenizer {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special: bool,
+}
+
+impl Detokenizer {
+    pub fn new(skip_special: bool) -> Self {
+        Detokenizer { ids: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special }
+    }
+
+    /// Adds one token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{fffd}') && full.is_char_boundary(prefix.len()) {
+            let piece = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Whatever is still held back at the end of generation (an incomplete character decodes to U+FFFD).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or("").to_string())
+    }
+}
