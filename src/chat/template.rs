@@ -3,7 +3,8 @@
 //! transformers compiles chat templates with jinja2 (`trim_blocks`, `lstrip_blocks`, the
 //! `loopcontrols` extension) and adds `raise_exception`, `strftime_now`, its own `tojson` filter and
 //! a `{% generation %}` tag. The prompt a model was trained on is exactly that text, so every
-//! difference here (a space after a JSON comma, `None` vs `none`) changes the tokens the model sees.
+//! difference here (a space after a JSON comma, `1e+16` vs `10000000000000000.0`) changes the
+//! tokens the model sees.
 //! The golden tests in `tests/chat_template.rs` compare against transformers byte for byte.
 
 use std::borrow::Cow;
@@ -184,6 +185,7 @@ fn build_environment(source: String) -> Result<Environment<'static>> {
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_formatter(python_formatter);
     env.add_filter("tojson", tojson_filter);
+    // `|string` is Python's str() in jinja2, so it must agree with what printing gives.
     env.add_filter("string", |value: Value| py_str(&value));
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
@@ -441,16 +443,16 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
 // ---------------------------------------------------------------------------------------------
 // Python's str() and repr(), which jinja2 uses to print values
 
-/// jinja2 prints with Python's `str()`: `None`, `True`, `['a', 1]`, `1e+16`. minijinja's own
-/// formatter would print `none`, `true`, `["a", 1]`, so everything with a different spelling in
-/// Python is printed here; strings, integers and undefined go through the default path.
+/// jinja2 prints with Python's `str()`. minijinja 3 already spells None/True/False that way, but
+/// prints containers with Rust's Debug (`["a", 1]`, and elided past a size limit) and floats
+/// without exponents (`10000000000000000.0` for Python's `1e+16`), so those are printed here.
 fn python_formatter(
     out: &mut Output,
     state: &mut State,
     value: &Value,
 ) -> std::result::Result<(), minijinja::Error> {
     let pythonic = match value.kind() {
-        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => true,
+        ValueKind::Seq | ValueKind::Map => true,
         ValueKind::Number => !value.is_integer(),
         _ => false,
     };
@@ -1034,6 +1036,13 @@ mod tests {
             "[|False|None|True|1e+16|2|['a', \"it's\", 1.5, None]|{'k': False}|None]"
         );
         assert!(render_str("{{ missing.attr }}", json!({})).is_err());
+        // minijinja's own Display would elide a long list; Python prints all of it.
+        let long: Vec<u32> = (0..300).collect();
+        let expected = format!("{long:?}");
+        assert_eq!(
+            render_str("{{ l }}", json!({ "l": long })).unwrap(),
+            expected
+        );
     }
 
     #[test]
@@ -1186,14 +1195,5 @@ mod tests {
             "j</s>"
         );
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-}
-#[cfg(test)]
-mod scratch {
-    #[test]
-    fn scratch_print() {
-        let t = super::ChatTemplate::new(r#"{{ 'x' ~ none }} {{ [1,2] ~ '' }} {{ 1.0 }} {{ 3 / 2 }} {{ 4 / 2 }} {{ 7 // 2 }} {{ '%s-%d' % ('a', 3) }} {{ (1,) }} {{ {'a': [1, none]}.items() | list }}"#, None, None).unwrap();
-        let out = t.render(&serde_json::json!([{"role":"user"}]), None, false, &serde_json::Map::new());
-        eprintln!("SCRATCH {out:?}");
     }
 }

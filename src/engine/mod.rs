@@ -6,7 +6,7 @@ mod stop;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-pub use stop::{StopMatcher, StopOutcome};
+pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
 use crate::chat::ChatTemplate;

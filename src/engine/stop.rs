@@ -38,20 +38,25 @@ impl StopMatcher {
         std::mem::take(&mut self.pending)
     }
 
-    /// Length of the longest suffix of `pending` that is a proper prefix of some stop string.
     fn longest_partial_suffix(&self) -> usize {
-        let p = &self.pending;
-        let mut best = 0;
-        for s in &self.stops {
-            for len in (1..s.len().min(p.len() + 1)).rev() {
-                if len > best && s.is_char_boundary(len) && p.is_char_boundary(p.len() - len) && p.ends_with(&s[..len]) {
-                    best = len;
-                    break;
-                }
+        let stops: Vec<&str> = self.stops.iter().map(String::as_str).collect();
+        partial_suffix_len(&self.pending, &stops)
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of one of `needles`: the part of
+/// a streamed text that must be held back because the next piece may complete a needle.
+pub fn partial_suffix_len(text: &str, needles: &[&str]) -> usize {
+    let mut best = 0;
+    for s in needles {
+        for len in (best + 1..s.len().min(text.len() + 1)).rev() {
+            if s.is_char_boundary(len) && text.is_char_boundary(text.len() - len) && text.ends_with(&s[..len]) {
+                best = len;
+                break;
             }
         }
-        best
     }
+    best
 }
 
 #[cfg(test)]
