@@ -1,10 +1,13 @@
 //! Atlas: a pure-Rust inference engine for Qwen3-family models, usable from Rust and (through the
 //! C ABI) from any C/C++ host.
 
+pub mod api;
 pub mod backend;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod gguf;
+pub mod ffi;
 pub mod model;
 pub mod quant;
 pub mod sampling;

@@ -106,6 +106,7 @@ pub struct Engine {
     ctx_size: usize,
     /// Tokens whose keys and values are in the cache, in order.
     cached: Vec<u32>,
+    default_seed: Option<u64>,
     report: LoadReport,
 }
 
@@ -134,7 +135,15 @@ impl Engine {
             has_chat_template: template.is_some(),
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
-        Ok(Engine { model, tokenizer, template, defaults, ctx_size, cached: Vec::new(), report })
+        Ok(Engine { model, tokenizer, template, defaults, ctx_size, cached: Vec::new(), default_seed: None, report })
+    }
+
+    /// The name responses carry in `model`: the model directory's name.
+    pub fn model_name(&self) -> String {
+        Path::new(&self.report.model_dir)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.report.model_dir.clone())
     }
 
     pub fn report(&self) -> &LoadReport {
@@ -165,6 +174,16 @@ impl Engine {
         })
     }
 
+    /// Forgets the cached prefix (after a failure that may have left it half-written).
+    pub fn reset_cache(&mut self) {
+        self.cached.clear();
+    }
+
+    /// The seed of requests that set none (None: a fresh random seed each time).
+    pub fn set_default_seed(&mut self, seed: Option<u64>) {
+        self.default_seed = seed;
+    }
+
     /// Sampling settings from generation_config.json, the starting point of every request.
     pub fn default_sampling(&self) -> SamplingParams {
         let d = &self.defaults;
@@ -175,6 +194,7 @@ impl Engine {
             top_p: d.top_p.unwrap_or(base.top_p),
             min_p: d.min_p.unwrap_or(base.min_p),
             repetition_penalty: d.repetition_penalty.unwrap_or(base.repetition_penalty),
+            seed: self.default_seed,
             ..base
         }
     }

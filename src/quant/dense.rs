@@ -42,6 +42,7 @@ impl DenseMatrix {
             DType::BF16 => DenseData::BF16(
                 bytes.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
             ),
+            other => panic!("DenseMatrix::from_le_bytes: {other:?} is a block format, not a dense dtype"),
         };
         DenseMatrix::new(rows, cols, data)
     }

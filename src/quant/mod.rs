@@ -3,15 +3,25 @@
 //! backend builds its products on that one method, so a new format needs only its dequantisation.
 
 mod dense;
+mod ggml;
 
 pub use dense::{DenseMatrix, DenseData};
+pub use ggml::{GgmlFormat, GgmlMatrix};
 
 /// Element types a weight can be stored in.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     F16,
     BF16,
+    /// GGML block formats (GGUF files), see [`GgmlFormat`].
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 impl DType {
@@ -20,6 +30,12 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q4_K => "q4_k",
+            DType::Q5_K => "q5_k",
+            DType::Q6_K => "q6_k",
         }
     }
 }

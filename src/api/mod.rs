@@ -1,0 +1,247 @@
+//! OpenAI chat completions over the engine: a request JSON in, `chat.completion.chunk`s out while
+//! generating, and the final `chat.completion` (with usage and llama.cpp-style timings).
+
+pub mod request;
+
+use serde_json::{json, Map, Value};
+
+pub use request::{ChatRequest, SamplingOverrides, ToolChoice};
+
+use crate::chat::output::{Delta, OutputParser};
+use crate::engine::{Engine, FinishReason, GenerateRequest};
+use crate::sampling::{Rng, SamplingParams};
+use crate::{Error, Result};
+
+/// Receives each streamed chunk as JSON text; returns false to cancel the request.
+pub type ChunkSink<'a> = &'a mut dyn FnMut(&str) -> bool;
+
+/// Runs one chat completion. With `stream: true` in the request each chunk goes to `on_chunk`
+/// (the returned response is the same answer, whole). A cancelled request returns Error::Cancelled.
+pub fn chat_completion(engine: &mut Engine, request: &ChatRequest, on_chunk: ChunkSink) -> Result<Value> {
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut ids = Rng::new(created ^ u64::from(std::process::id()) ^ (request as *const _ as u64));
+    let model = request.model.clone().unwrap_or_else(|| engine.model_name());
+    let mut stream = Stream {
+        id: format!("chatcmpl-{:016x}{:08x}", ids.next_u64(), ids.next_u64() as u32),
+        created,
+        model,
+        enabled: request.stream,
+        sink: on_chunk,
+    };
+
+    let use_tools = request.tools.is_some() && request.tool_choice != ToolChoice::None;
+    let tools = request.tools.as_ref().filter(|_| use_tools);
+    let mut prompt = engine.template()?.render(&request.messages, tools, true, &request.template_kwargs)?;
+    let in_reasoning = prompt.trim_end().ends_with("<think>");
+    let mut parser = OutputParser::new(in_reasoning, tools);
+    if let Some(forced) = forced_call_prefix(&request.tool_choice, &prompt) {
+        if in_reasoning {
+            prompt.push_str("\n</think>\n\n");
+            parser = OutputParser::new(false, tools);
+        }
+        prompt.push_str("<tool_call>");
+        prompt.push_str(&forced);
+        parser.start_in_tool_call(&forced);
+    }
+    let tokens = engine.tokenizer()?.encode(&prompt)?;
+    let gen = GenerateRequest {
+        prompt: tokens,
+        max_tokens: request.max_tokens,
+        sampling: sampling(engine.default_sampling(), &request.sampling),
+        stop: request.stop.clone(),
+        ignore_eos: false,
+    };
+
+    let mut answer = Answer::default();
+    stream.send(json!({"role": "assistant", "content": ""}), None)?;
+    let mut failed: Option<Error> = None;
+    let result = engine.generate(&gen, &mut |piece| {
+        let deltas = parser.push(piece);
+        match answer.absorb(deltas, &mut stream, &mut ids, request.parallel_tool_calls) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        }
+    });
+    let generation = match (result, failed) {
+        (_, Some(e)) | (Err(e), None) => return Err(e),
+        (Ok(g), None) => g,
+    };
+    answer.absorb(parser.finish(), &mut stream, &mut ids, request.parallel_tool_calls)?;
+
+    let finish_reason = if !answer.tool_calls.is_empty() {
+        "tool_calls"
+    } else {
+        match generation.finish_reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    };
+    let prompt_n = generation.prompt_tokens - generation.cached_tokens;
+    let predicted_n = generation.tokens.len();
+    let usage = json!({
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": predicted_n,
+        "total_tokens": generation.prompt_tokens + predicted_n,
+        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+    });
+    let timings = json!({
+        "cache_n": generation.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": generation.prompt_ms,
+        "prompt_per_token_ms": generation.prompt_ms / prompt_n.max(1) as f64,
+        "prompt_per_second": per_second(prompt_n, generation.prompt_ms),
+        "predicted_n": predicted_n,
+        "predicted_ms": generation.decode_ms,
+        "predicted_per_token_ms": generation.decode_ms / predicted_n.max(1) as f64,
+        "predicted_per_second": per_second(predicted_n, generation.decode_ms),
+    });
+    stream.send_final(finish_reason, &timings)?;
+    if request.include_usage {
+        stream.send_usage(&usage)?;
+    }
+
+    let mut message = Map::new();
+    message.insert("role".into(), json!("assistant"));
+    let content = (!answer.content.is_empty() || answer.tool_calls.is_empty()).then(|| answer.content.clone());
+    message.insert("content".into(), json!(content));
+    if !answer.reasoning.is_empty() {
+        message.insert("reasoning_content".into(), json!(answer.reasoning));
+    }
+    if !answer.tool_calls.is_empty() {
+        message.insert("tool_calls".into(), Value::Array(answer.tool_calls.clone()));
+    }
+    Ok(json!({
+        "id": stream.id,
+        "object": "chat.completion",
+        "created": stream.created,
+        "model": stream.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": usage,
+        "timings": timings,
+    }))
+}
+
+fn per_second(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 {
+        n as f64 * 1e3 / ms
+    } else {
+        0.0
+    }
+}
+
+fn sampling(base: SamplingParams, o: &SamplingOverrides) -> SamplingParams {
+    SamplingParams {
+        temperature: o.temperature.unwrap_or(base.temperature),
+        top_k: o.top_k.unwrap_or(base.top_k),
+        top_p: o.top_p.unwrap_or(base.top_p),
+        min_p: o.min_p.unwrap_or(base.min_p),
+        repetition_penalty: o.repetition_penalty.unwrap_or(base.repetition_penalty),
+        presence_penalty: o.presence_penalty.unwrap_or(base.presence_penalty),
+        frequency_penalty: o.frequency_penalty.unwrap_or(base.frequency_penalty),
+        seed: o.seed.or(base.seed),
+    }
+}
+
+/// The text the prompt gets after `<tool_call>` when a call is required. The tool syntax is the
+/// one the template taught the model: XML when its instructions show `<function=`, else JSON.
+fn forced_call_prefix(choice: &ToolChoice, prompt: &str) -> Option<String> {
+    let xml = prompt.contains("<function=");
+    match (choice, xml) {
+        (ToolChoice::Required, false) => Some("\n".into()),
+        (ToolChoice::Required, true) => Some("\n<function=".into()),
+        (ToolChoice::Function(name), false) => {
+            Some(format!("\n{{\"name\": {}, \"arguments\": ", Value::String(name.clone())))
+        }
+        (ToolChoice::Function(name), true) => Some(format!("\n<function={name}>\n")),
+        _ => None,
+    }
+}
+
+/// The answer as it accumulates; the final message is built from the same deltas that were
+/// streamed, so the two always agree.
+#[derive(Default)]
+struct Answer {
+    content: String,
+    reasoning: String,
+    tool_calls: Vec<Value>,
+}
+
+impl Answer {
+    fn absorb(&mut self, deltas: Vec<Delta>, stream: &mut Stream, ids: &mut Rng, parallel: bool) -> Result<()> {
+        for d in deltas {
+            match d {
+                Delta::Content(t) => {
+                    self.content.push_str(&t);
+                    stream.send(json!({"content": t}), None)?;
+                }
+                Delta::Reasoning(t) => {
+                    self.reasoning.push_str(&t);
+                    stream.send(json!({"reasoning_content": t}), None)?;
+                }
+                Delta::ToolCall(_) if !parallel && !self.tool_calls.is_empty() => {}
+                Delta::ToolCall(call) => {
+                    let index = self.tool_calls.len();
+                    let id = format!("call_{:016x}", ids.next_u64());
+                    let head = json!({"index": index, "id": id, "type": "function",
+                                      "function": {"name": call.name, "arguments": ""}});
+                    stream.send(json!({"tool_calls": [head]}), None)?;
+                    let args = json!({"index": index, "function": {"arguments": call.arguments}});
+                    stream.send(json!({"tool_calls": [args]}), None)?;
+                    self.tool_calls.push(json!({"id": id, "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments}}));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Stream<'a> {
+    id: String,
+    created: u64,
+    model: String,
+    enabled: bool,
+    sink: ChunkSink<'a>,
+}
+
+impl Stream<'_> {
+    fn chunk(&self, choices: Value) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("id".into(), json!(self.id));
+        m.insert("object".into(), json!("chat.completion.chunk"));
+        m.insert("created".into(), json!(self.created));
+        m.insert("model".into(), json!(self.model));
+        m.insert("choices".into(), choices);
+        m
+    }
+
+    fn emit(&mut self, chunk: Map<String, Value>) -> Result<()> {
+        if self.enabled && !(self.sink)(&Value::Object(chunk).to_string()) {
+            return Err(Error::Cancelled);
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, delta: Value, finish_reason: Option<&str>) -> Result<()> {
+        let c = self.chunk(json!([{"index": 0, "delta": delta, "finish_reason": finish_reason}]));
+        self.emit(c)
+    }
+
+    fn send_final(&mut self, finish_reason: &str, timings: &Value) -> Result<()> {
+        let mut c = self.chunk(json!([{"index": 0, "delta": {}, "finish_reason": finish_reason}]));
+        c.insert("timings".into(), timings.clone());
+        self.emit(c)
+    }
+
+    fn send_usage(&mut self, usage: &Value) -> Result<()> {
+        let mut c = self.chunk(json!([]));
+        c.insert("usage".into(), usage.clone());
+        self.emit(c)
+    }
+}

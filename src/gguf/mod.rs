@@ -1,0 +1,11 @@
+//! GGUF model files (llama.cpp's format): the container reader, a [`WeightSource`] over it under
+//! Hugging Face tensor names, and the model config and tokenizer rebuilt from its metadata.
+//!
+//! [`WeightSource`]: crate::model::WeightSource
+
+mod reader;
+mod store;
+mod tokenizer;
+
+pub use reader::{GgmlType, GgufFile, MetaArray, MetaValue, TensorInfo, DEFAULT_ALIGNMENT};
+pub use store::{hf_name, unpermute_rows, GgufStore, SpecialTokens};

@@ -1,0 +1,413 @@
+//! GGML block formats (the weights of GGUF files): Q8_0, Q4_0, Q4_1 (blocks of 32) and the k-quants
+//! Q4_K, Q5_K, Q6_K (super-blocks of 256). A matrix keeps its raw blocks, row-major, each row a whole
+//! number of blocks; `dequant_row` is the CPU reference and follows ggml's `dequantize_row_*` step for
+//! step (same products in the same order, all in f32), so it matches ggml's own output.
+
+use super::{DType, QuantMatrix};
+use crate::{Error, Result};
+
+/// The block formats Atlas can decode.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlFormat {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+}
+
+/// Elements per k-quant super-block (ggml's QK_K).
+const QK_K: usize = 256;
+
+impl GgmlFormat {
+    pub const ALL: [GgmlFormat; 6] =
+        [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K];
+
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q4_1 => 32,
+            GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlFormat::Q8_0 => 34,
+            GgmlFormat::Q4_0 => 18,
+            GgmlFormat::Q4_1 => 20,
+            GgmlFormat::Q4_K => 144,
+            GgmlFormat::Q5_K => 176,
+            GgmlFormat::Q6_K => 210,
+        }
+    }
+
+    /// The type number of this format in ggml's `ggml_type` enum (as stored in GGUF files).
+    pub fn ggml_type(self) -> u32 {
+        match self {
+            GgmlFormat::Q4_0 => 2,
+            GgmlFormat::Q4_1 => 3,
+            GgmlFormat::Q8_0 => 8,
+            GgmlFormat::Q4_K => 12,
+            GgmlFormat::Q5_K => 13,
+            GgmlFormat::Q6_K => 14,
+        }
+    }
+
+    pub fn from_ggml_type(t: u32) -> Option<Self> {
+        GgmlFormat::ALL.into_iter().find(|f| f.ggml_type() == t)
+    }
+
+    pub fn dtype(self) -> DType {
+        match self {
+            GgmlFormat::Q8_0 => DType::Q8_0,
+            GgmlFormat::Q4_0 => DType::Q4_0,
+            GgmlFormat::Q4_1 => DType::Q4_1,
+            GgmlFormat::Q4_K => DType::Q4_K,
+            GgmlFormat::Q5_K => DType::Q5_K,
+            GgmlFormat::Q6_K => DType::Q6_K,
+        }
+    }
+
+    pub fn from_dtype(d: DType) -> Option<Self> {
+        GgmlFormat::ALL.into_iter().find(|f| f.dtype() == d)
+    }
+
+    pub fn name(self) -> &'static str {
+        self.dtype().name()
+    }
+
+    /// Bytes of one row of `cols` elements; `None` unless `cols` is a whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        if cols % self.block_size() != 0 {
+            return None;
+        }
+        (cols / self.block_size()).checked_mul(self.block_bytes())
+    }
+
+    /// Decodes whole blocks: `blocks.len()` must be `n * block_bytes()` and `out.len()` `n * block_size()`.
+    pub fn dequant_blocks(self, blocks: &[u8], out: &mut [f32]) {
+        let (bs, bb) = (self.block_size(), self.block_bytes());
+        assert!(
+            blocks.len() % bb == 0 && out.len() == blocks.len() / bb * bs,
+            "{}: {} bytes do not decode into {} values",
+            self.name(),
+            blocks.len(),
+            out.len()
+        );
+        for (b, y) in blocks.chunks_exact(bb).zip(out.chunks_exact_mut(bs)) {
+            match self {
+                GgmlFormat::Q8_0 => q8_0(b, y),
+                GgmlFormat::Q4_0 => q4_0(b, y),
+                GgmlFormat::Q4_1 => q4_1(b, y),
+                GgmlFormat::Q4_K => q4_k(b, y),
+                GgmlFormat::Q5_K => q5_k(b, y),
+                GgmlFormat::Q6_K => q6_k(b, y),
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for GgmlFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// block_q8_0 { f16 d; i8 qs[32] }: y = q * d.
+fn q8_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (v, &q) in y.iter_mut().zip(&b[2..34]) {
+        *v = (q as i8) as f32 * d;
+    }
+}
+
+/// block_q4_0 { f16 d; u8 qs[16] }: low nibbles are elements 0..16, high nibbles 16..32; y = (q - 8) * d.
+fn q4_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (lo, hi) = y.split_at_mut(16);
+    for (j, &q) in b[2..18].iter().enumerate() {
+        lo[j] = ((q & 0x0F) as i32 - 8) as f32 * d;
+        hi[j] = ((q >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+/// block_q4_1 { f16 d; f16 m; u8 qs[16] }: y = q * d + m.
+fn q4_1(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let m = f16_at(b, 2);
+    let (lo, hi) = y.split_at_mut(16);
+    for (j, &q) in b[4..20].iter().enumerate() {
+        lo[j] = (q & 0x0F) as f32 * d + m;
+        hi[j] = (q >> 4) as f32 * d + m;
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of Q4_K / Q5_K
+/// (ggml's `get_scale_min_k4`).
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// block_q4_K { f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }: eight sub-blocks of 32, each with its
+/// own 6-bit scale and min; y = d*sc * q - dmin*m.
+fn q4_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let min = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for (chunk, (q, out)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+        let (lo, hi) = out.split_at_mut(32);
+        for l in 0..32 {
+            lo[l] = d1 * (q[l] & 0x0F) as f32 - m1;
+            hi[l] = d2 * (q[l] >> 4) as f32 - m2;
+        }
+    }
+}
+
+/// block_q5_K { f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] }: Q4_K plus a fifth bit per
+/// element from `qh` (bit 2*chunk for the low nibbles, 2*chunk+1 for the high ones).
+fn q5_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let min = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qh = &b[16..48];
+    let qs = &b[48..176];
+    for (chunk, (ql, out)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+        let (u1, u2) = (1u8 << (2 * chunk), 1u8 << (2 * chunk + 1));
+        let (lo, hi) = out.split_at_mut(32);
+        for l in 0..32 {
+            let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+            let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+            lo[l] = d1 * ((ql[l] & 0x0F) + h1) as f32 - m1;
+            hi[l] = d2 * ((ql[l] >> 4) + h2) as f32 - m2;
+        }
+    }
+}
+
+/// block_q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }: 6-bit values (low 4 bits in `ql`, high
+/// 2 in `qh`) minus 32, sixteen sub-blocks of 16 with an 8-bit scale each; y = d * sc * q.
+fn q6_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 208);
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        let out = &mut y[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            out[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            out[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            out[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            out[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+}
+
+/// A `[rows, cols]` matrix of GGML blocks, row-major; every row is `cols / block_size` blocks.
+pub struct GgmlMatrix {
+    rows: usize,
+    cols: usize,
+    format: GgmlFormat,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for GgmlMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgmlMatrix")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("format", &self.format)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GgmlMatrix {
+    /// `data` holds the rows' blocks back to back. Errors (`InvalidArgument`) when `cols` is not a
+    /// whole number of blocks or the byte count does not match.
+    pub fn new(format: GgmlFormat, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
+        let row_bytes = format.row_bytes(cols).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{format} stores rows in blocks of {} values, but a row has {cols}",
+                format.block_size()
+            ))
+        })?;
+        let expected = row_bytes.checked_mul(rows);
+        if expected != Some(data.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "{format} matrix [{rows}, {cols}] needs {} bytes, got {}",
+                expected.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
+                data.len()
+            )));
+        }
+        Ok(GgmlMatrix { rows, cols, format, row_bytes, data })
+    }
+
+    pub fn format(&self) -> GgmlFormat {
+        self.format
+    }
+
+    /// All blocks, row after row (for backends that decode on the device).
+    pub fn blocks(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The blocks of one row.
+    pub fn row_blocks(&self, row: usize) -> &[u8] {
+        &self.data[row * self.row_bytes..(row + 1) * self.row_bytes]
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+}
+
+impl QuantMatrix for GgmlMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn dtype(&self) -> DType {
+        self.format.dtype()
+    }
+
+    fn storage_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn dequant_row(&self, row: usize, out: &mut [f32]) {
+        self.format.dequant_blocks(self.row_blocks(row), out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dot;
+
+    /// A small deterministic generator (SplitMix64), so tests need no crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        fn byte(&mut self) -> u8 {
+            self.next() as u8
+        }
+        fn unit(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// Random blocks with finite, moderate f16 scales at the format's scale positions.
+    fn random_blocks(format: GgmlFormat, n: usize, rng: &mut Rng) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n * format.block_bytes());
+        for _ in 0..n {
+            let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| rng.byte()).collect();
+            let scale_at: &[usize] = match format {
+                GgmlFormat::Q8_0 | GgmlFormat::Q4_0 => &[0],
+                GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
+                GgmlFormat::Q6_K => &[208],
+            };
+            for &at in scale_at {
+                let v = half::f16::from_f32(rng.unit() * 0.05).to_le_bytes();
+                b[at..at + 2].copy_from_slice(&v);
+            }
+            out.extend_from_slice(&b);
+        }
+        out
+    }
+
+    #[test]
+    fn matrix_vector_product_matches_dequantised_matrix() {
+        let mut rng = Rng(7);
+        for format in GgmlFormat::ALL {
+            let (rows, cols) = (5, 2 * format.block_size());
+            let data = random_blocks(format, rows * 2, &mut rng);
+            let m = GgmlMatrix::new(format, rows, cols, data.clone()).unwrap();
+            assert_eq!(m.dtype().name(), format.name());
+            assert_eq!(m.storage_bytes(), rows * 2 * format.block_bytes());
+            // The whole matrix decoded in one go is the reference.
+            let mut full = vec![0f32; rows * cols];
+            format.dequant_blocks(&data, &mut full);
+            let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                m.dequant_row(r, &mut row);
+                assert_eq!(row, full[r * cols..(r + 1) * cols], "{format} row {r}");
+                let y = dot(&row, &x);
+                let exact: f64 =
+                    full[r * cols..(r + 1) * cols].iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let scale: f64 = row.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                assert!((y as f64 - exact).abs() <= 1e-5 * scale.max(1e-3), "{format} row {r}: {y} vs {exact}");
+            }
+        }
+    }
+
+    #[test]
+    fn known_values() {
+        // Q8_0: d = 0.5, q = -3 .. 28
+        let mut b = half::f16::from_f32(0.5).to_le_bytes().to_vec();
+        b.extend((0..32).map(|i| (i as i8 - 3) as u8));
+        let mut y = [0f32; 32];
+        GgmlFormat::Q8_0.dequant_blocks(&b, &mut y);
+        assert_eq!(y[0], -1.5);
+        assert_eq!(y[31], 14.0);
+        // Q4_0: d = 2, byte j = (lo = j % 16, hi = 15 - j % 16)
+        let mut b = half::f16::from_f32(2.0).to_le_bytes().to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let mut y = [0f32; 32];
+        GgmlFormat::Q4_0.dequant_blocks(&b, &mut y);
+        assert_eq!((y[0], y[15], y[16], y[31]), (-16.0, 14.0, 14.0, -16.0));
+        // Q4_1: d = 1, m = -0.25
+        let mut b = half::f16::from_f32(1.0).to_le_bytes().to_vec();
+        b.extend(half::f16::from_f32(-0.25).to_le_bytes());
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        GgmlFormat::Q4_1.dequant_blocks(&b, &mut y);
+        assert_eq!((y[0], y[15], y[16]), (-0.25, 14.75, 14.75));
+    }
+
+    #[test]
+    fn rejects_partial_blocks_and_wrong_lengths() {
+        assert!(GgmlMatrix::new(GgmlFormat::Q4_K, 1, 128, vec![0; 72]).is_err());
+        assert!(GgmlMatrix::new(GgmlFormat::Q8_0, 2, 32, vec![0; 34]).is_err());
+        assert!(GgmlMatrix::new(GgmlFormat::Q8_0, 2, 32, vec![0; 68]).is_ok());
+        assert_eq!(GgmlFormat::Q6_K.row_bytes(255), None);
+        for f in GgmlFormat::ALL {
+            assert_eq!(GgmlFormat::from_ggml_type(f.ggml_type()), Some(f));
+            assert_eq!(GgmlFormat::from_dtype(f.dtype()), Some(f));
+        }
+    }
+}
