@@ -268,3 +268,26 @@ fn lock(model: &AtlasModel) -> std::sync::MutexGuard<'_, Engine> {
         engine
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_an_internal_error_with_its_message() {
+        let mut err: *mut c_char = std::ptr::null_mut();
+        let rc = guarded(&mut err, || panic!("boom {}", 7));
+        assert_eq!(rc, AtlasStatus::Internal as i32);
+        let msg = unsafe { CStr::from_ptr(err) }.to_str().unwrap().to_string();
+        unsafe { atlas_string_free(err) };
+        assert_eq!(msg, "internal error: boom 7");
+    }
+
+    #[test]
+    fn options_are_checked() {
+        assert!(parse_options(r#"{"model": "m", "threads": 2, "seed": 5}"#).is_ok());
+        for bad in [r#"{"model": 1}"#, r#"{"model": "m", "ctx_size": "big"}"#, r#"{"model": "m", "typo": 1}"#, "[]"] {
+            assert!(matches!(parse_options(bad), Err(Error::InvalidArgument(_))), "{bad}");
+        }
+    }
+}

