@@ -22,3 +22,4 @@ cc -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-omit-
     -I include tests/c/host.c -ldl -o target/c/host_asan
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ./target/c/host_asan "$lib" "$model" 3
+scripts/test_cpp.sh

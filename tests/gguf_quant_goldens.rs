@@ -33,7 +33,8 @@ fn dequantisation_matches_gguf_py() {
             // The CPU product (dequant_row + dot) against the reference values.
             let x: Vec<f32> = (0..cols).map(|i| ((i * 7 + r) % 13) as f32 / 13.0 - 0.5).collect();
             let exact: f64 = want[r * cols..(r + 1) * cols].iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let mag: f64 = want[r * cols..(r + 1) * cols].iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            let mag: f64 =
+                want[r * cols..(r + 1) * cols].iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
             assert!((dot(&row, &x) as f64 - exact).abs() <= 1e-5 * mag.max(1.0), "{name} row {r} product");
         }
         println!("{name}: {rows}x{cols}, max abs diff {worst:e}");

@@ -377,7 +377,7 @@ mod tests {
     #[test]
     fn malformed_requests_name_the_problem() {
         let cases = [
-            (json!([]), "must be an object"),
+            (json!([]), "must be a JSON object"),
             (json!({}), "messages is required"),
             (json!({"messages": []}), "must not be empty"),
             (json!({"messages": [{"role": "wizard", "content": "x"}]}), "wizard"),

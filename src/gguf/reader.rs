@@ -502,6 +502,16 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// A name read from the file, made printable and short enough for an error message.
+fn shown(name: &str) -> String {
+    let escaped: String = name.escape_debug().collect();
+    if escaped.chars().count() > 80 {
+        format!("{}...", escaped.chars().take(80).collect::<String>())
+    } else {
+        escaped
+    }
+}
+
 /// Smallest encoding of a value of GGUF type `t` (strings: the length; arrays: type + count).
 fn min_value_size(t: u32) -> Option<u64> {
     Some(match t {
@@ -604,11 +614,11 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
     let mut meta_index = HashMap::with_capacity(n_kv);
     for i in 0..n_kv {
         let key = c.string(&format!("metadata key #{i}"))?;
-        let what = format!("metadata {key}");
+        let what = format!("metadata {}", shown(&key));
         let t = c.u32(&what)?;
         let value = read_value(&mut c, t, &what, 0)?;
         if meta_index.insert(key.clone(), metadata.len()).is_some() {
-            return Err(format!("metadata key {key} appears twice"));
+            return Err(format!("metadata key {} appears twice", shown(&key)));
         }
         metadata.push((key, value));
     }
@@ -627,7 +637,7 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
     let mut tensor_index = HashMap::with_capacity(n_tensors);
     for i in 0..n_tensors {
         let name = c.string(&format!("the name of tensor #{i}"))?;
-        let what = format!("tensor {name}");
+        let what = format!("tensor {}", shown(&name));
         let n_dims = c.u32(&what)?;
         if n_dims > MAX_DIMS {
             return Err(format!("{what} has {n_dims} dimensions (at most {MAX_DIMS})"));
@@ -638,8 +648,7 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
         }
         let type_id = c.u32(&what)?;
         let offset = c.u64(&what)?;
-        let ggml_type =
-            GgmlType::from_u32(type_id).ok_or_else(|| format!("{what} has unknown ggml type {type_id}"))?;
+        let ggml_type = GgmlType::from_u32(type_id).ok_or_else(|| format!("{what} has unknown ggml type {type_id}"))?;
         let n_elements = dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -659,7 +668,7 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
             return Err(format!("{what}: data offset {offset} is not a multiple of the alignment {alignment}"));
         }
         if tensor_index.insert(name.clone(), entries.len()).is_some() {
-            return Err(format!("tensor {name} appears twice"));
+            return Err(format!("tensor {} appears twice", shown(&name)));
         }
         entries.push((name, dims, ggml_type, offset, size));
     }
@@ -677,8 +686,9 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
             (Some(s), Some(e)) if e <= file_len => (s as usize, e as usize),
             _ => {
                 return Err(format!(
-                    "tensor {name}: its {size} bytes at data offset {offset} (file offset {data_start} + {offset}) \
-                     run past the end of the file ({file_len} bytes; truncated?)"
+                    "tensor {}: its {size} bytes at data offset {offset} (file offset {data_start} + {offset}) \
+                     run past the end of the file ({file_len} bytes; truncated?)",
+                    shown(&name)
                 ))
             }
         };

@@ -162,10 +162,9 @@ impl GgufStore {
                 let all_same = (0..a.len()).all(|i| a.int_at(i).is_some() && a.int_at(i) == first);
                 match first {
                     Some(v) if all_same && v >= 0 => Ok(Some(v as u64)),
-                    _ => Err(Error::Unsupported(format!(
-                        "{}: {key} differs between layers",
-                        self.file.path().display()
-                    ))),
+                    _ => {
+                        Err(Error::Unsupported(format!("{}: {key} differs between layers", self.file.path().display())))
+                    }
                 }
             }
             Some(_) => self.file.get_u64(&key),
@@ -177,8 +176,9 @@ impl GgufStore {
         match self.uniform_count(suffix)? {
             None => Err(Error::bad_file(self.file.path(), format!("no {key} in the GGUF metadata"))),
             Some(0) => Err(Error::bad_file(self.file.path(), format!("{key} is zero"))),
-            Some(v) => usize::try_from(v)
-                .map_err(|_| Error::bad_file(self.file.path(), format!("{key} = {v} is too large"))),
+            Some(v) => {
+                usize::try_from(v).map_err(|_| Error::bad_file(self.file.path(), format!("{key} = {v} is too large")))
+            }
         }
     }
 
@@ -191,7 +191,11 @@ impl GgufStore {
         if n_head % n_kv != 0 {
             return Err(Error::bad_file(
                 self.file.path(),
-                format!("attention.head_count {n_head} is not a multiple of attention.head_count_kv {n_kv}"),
+                format!(
+                    "{} {n_head} is not a multiple of {} {n_kv}",
+                    self.key("attention.head_count"),
+                    self.key("attention.head_count_kv")
+                ),
             ));
         }
         Ok((n_head, n_kv))
@@ -202,7 +206,9 @@ impl GgufStore {
         if self.arch != Architecture::Llama {
             return Ok(None);
         }
-        let is = |proj: &str| name.ends_with(&format!(".self_attn.{proj}.weight")) || name.ends_with(&format!(".self_attn.{proj}.bias"));
+        let is = |proj: &str| {
+            name.ends_with(&format!(".self_attn.{proj}.weight")) || name.ends_with(&format!(".self_attn.{proj}.bias"))
+        };
         let heads = if is("q_proj") {
             self.heads()?.0
         } else if is("k_proj") {
@@ -220,6 +226,9 @@ impl GgufStore {
         let mut dims: Vec<u64> = t.dims.clone();
         while dims.len() > want.len() && dims.last() == Some(&1) {
             dims.pop();
+        }
+        if want.contains(&0) {
+            return Err(Error::bad_tensor(name, format!("requested with an empty shape {want:?}")));
         }
         let want_dims: Vec<u64> = want.iter().rev().map(|&d| d as u64).collect();
         if dims != want_dims {
@@ -276,7 +285,8 @@ impl GgufStore {
                 ),
             )
         })?;
-        let m = GgmlMatrix::new(format, rows, cols, bytes.into_owned()).map_err(|e| Error::bad_tensor(name, e.to_string()))?;
+        let m = GgmlMatrix::new(format, rows, cols, bytes.into_owned())
+            .map_err(|e| Error::bad_tensor(name, e.to_string()))?;
         Ok(Box::new(m))
     }
 
@@ -577,7 +587,12 @@ mod tests {
             .collect();
         assert_eq!(
             llama3_from_factors(&factors, theta, hd, orig),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: orig })
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: orig
+            })
         );
         let mut off = factors.clone();
         off[40] *= 1.1;

@@ -25,7 +25,8 @@ const TOKEN_CONTROL: i128 = 3;
 const TOKEN_USER_DEFINED: i128 = 4;
 
 /// Qwen2 / Qwen3 (transformers' Qwen2 PRETOKENIZE_REGEX; llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Llama 3 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -57,7 +58,9 @@ fn pre_split(pre: &str) -> Option<PreSplit> {
 pub(crate) fn build(file: &GgufFile) -> Result<Tokenizer> {
     let path = file.path();
     let bad = |reason: String| Error::bad_file(path, reason);
-    let model = file.get_str("tokenizer.ggml.model")?.ok_or_else(|| bad("no tokenizer.ggml.model in the GGUF metadata".into()))?;
+    let model = file
+        .get_str("tokenizer.ggml.model")?
+        .ok_or_else(|| bad("no tokenizer.ggml.model in the GGUF metadata".into()))?;
     if model != "gpt2" {
         return Err(Error::Unsupported(format!(
             "{}: tokenizer.ggml.model {model:?} (only \"gpt2\", byte-level BPE)",
