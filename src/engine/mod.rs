@@ -10,8 +10,9 @@ pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
 use crate::chat::ChatTemplate;
+use crate::gguf::GgufStore;
 use crate::model::safetensors::SafetensorsStore;
-use crate::model::{Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig};
+use crate::model::{Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
@@ -40,6 +41,7 @@ impl std::str::FromStr for Device {
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
+    /// A Hugging Face model directory or a GGUF file.
     pub model_dir: PathBuf,
     pub device: Device,
     /// Maximum prompt + generated tokens; None: the model's limit, capped at 4096 (as llama.cpp).
@@ -111,22 +113,19 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// Loads a Hugging Face model directory (config.json + safetensors) or a GGUF file.
     pub fn load(opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
         let start = Instant::now();
-        let dir = &opts.model_dir;
-        if !dir.is_dir() {
-            return Err(Error::bad_file(dir, "model directory not found"));
-        }
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
-        let defaults = GenerationDefaults::from_dir(dir)?;
-        let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = tokenizer_path.exists().then(|| Tokenizer::from_file(&tokenizer_path)).transpose()?;
-        let template = ChatTemplate::from_model_dir(dir)?;
-        let store = SafetensorsStore::open_dir(dir)?;
+        let path = &opts.model_dir;
+        let parts = match model_format(path)? {
+            ModelFormat::HfDirectory => hf_parts(path)?,
+            ModelFormat::Gguf(file) => gguf_parts(&file)?,
+        };
+        let Parts { config, defaults, tokenizer, template, store } = parts;
         let ctx_size = resolve_ctx(opts.ctx_size, &config)?;
-        let model = bind(opts, config, &store, progress)?;
+        let model = bind(opts, config, store.as_ref(), progress)?;
         let report = LoadReport {
-            model_dir: dir.display().to_string(),
+            model_dir: path.display().to_string(),
             architecture: model.config().arch.name().to_string(),
             device: model.backend_description(),
             ctx_size,
@@ -380,10 +379,82 @@ fn resolve_ctx(requested: Option<usize>, config: &ModelConfig) -> Result<usize> 
     }
 }
 
+/// Everything a model file or directory provides, before it is bound to a device.
+struct Parts {
+    config: ModelConfig,
+    defaults: GenerationDefaults,
+    tokenizer: Option<Tokenizer>,
+    template: Option<ChatTemplate>,
+    store: Box<dyn WeightSource>,
+}
+
+/// The two layouts a model comes in.
+pub enum ModelFormat {
+    /// config.json, *.safetensors, tokenizer.json, ... in one directory.
+    HfDirectory,
+    /// One GGUF file (given directly, or the only .gguf in a directory without config.json).
+    Gguf(PathBuf),
+}
+
+pub fn model_format(path: &Path) -> Result<ModelFormat> {
+    if path.is_file() {
+        return if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            Ok(ModelFormat::Gguf(path.to_path_buf()))
+        } else {
+            Err(Error::bad_file(path, "not a model: expected a directory with config.json or a .gguf file"))
+        };
+    }
+    if !path.is_dir() {
+        return Err(Error::bad_file(path, "model not found"));
+    }
+    if path.join("config.json").exists() {
+        return Ok(ModelFormat::HfDirectory);
+    }
+    let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
+        .map_err(|e| Error::io(path, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
+        .collect();
+    match ggufs.as_slice() {
+        [one] => Ok(ModelFormat::Gguf(one.clone())),
+        [] => Err(Error::bad_file(path, "not a model directory (no config.json and no .gguf file)")),
+        _ => Err(Error::bad_file(path, "several .gguf files here: name the one to load")),
+    }
+}
+
+fn hf_parts(dir: &Path) -> Result<Parts> {
+    let tokenizer_path = dir.join("tokenizer.json");
+    Ok(Parts {
+        config: ModelConfig::from_file(&dir.join("config.json"))?,
+        defaults: GenerationDefaults::from_dir(dir)?,
+        tokenizer: tokenizer_path.exists().then(|| Tokenizer::from_file(&tokenizer_path)).transpose()?,
+        template: ChatTemplate::from_model_dir(dir)?,
+        store: Box::new(SafetensorsStore::open_dir(dir)?),
+    })
+}
+
+fn gguf_parts(file: &Path) -> Result<Parts> {
+    let store = GgufStore::open(file)?;
+    let config = store.config()?;
+    let special = store.special_tokens();
+    let template = store
+        .chat_template()
+        .map(|t| ChatTemplate::new(&t, special.bos_token.clone(), special.eos_token.clone()))
+        .transpose()?;
+    let defaults = GenerationDefaults { eos_token_ids: config.eos_token_ids.clone(), ..GenerationDefaults::default() };
+    Ok(Parts {
+        tokenizer: Some(Tokenizer::from_inner(store.tokenizer()?)),
+        config,
+        defaults,
+        template,
+        store: Box::new(store),
+    })
+}
+
 fn bind(
     opts: &EngineOptions,
     config: ModelConfig,
-    store: &SafetensorsStore,
+    store: &dyn WeightSource,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Box<dyn LanguageModel>> {
     match opts.device {
@@ -397,11 +468,15 @@ fn bind(
     }
 }
 
-/// Model directory given on the command line or in load options, checked for existence.
-pub fn model_dir(path: &Path) -> Result<PathBuf> {
-    if path.join("config.json").exists() {
-        Ok(path.to_path_buf())
-    } else {
-        Err(Error::bad_file(path, "not a model directory (no config.json)"))
-    }
+/// Where `atlas setup` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF):
+/// `$ATLAS_CACHE`, else `$XDG_CACHE_HOME/atlas`, else `~/.cache/atlas`.
+pub fn default_model_path() -> PathBuf {
+    let cache = std::env::var_os("ATLAS_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from(".cache"))
+            .join("atlas")
+    });
+    cache.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }

