@@ -2,6 +2,7 @@
 //! CPU backend is the reference every other backend is tested against.
 
 pub mod cpu;
+pub mod gpu;
 
 use crate::quant::QuantMatrix;
 use crate::Result;

@@ -9,9 +9,11 @@ use std::time::Instant;
 pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::gpu::{cuda, GpuBackend};
 use crate::chat::ChatTemplate;
 use crate::gguf::GgufStore;
 use crate::model::safetensors::SafetensorsStore;
+use crate::model::synthetic::SyntheticSource;
 use crate::model::{Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{Detokenizer, Tokenizer};
@@ -115,12 +117,31 @@ pub struct Engine {
 impl Engine {
     /// Loads a Hugging Face model directory (config.json + safetensors) or a GGUF file.
     pub fn load(opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
-        let start = Instant::now();
-        let path = &opts.model_dir;
-        let parts = match model_format(path)? {
-            ModelFormat::HfDirectory => hf_parts(path)?,
+        let parts = match model_format(&opts.model_dir)? {
+            ModelFormat::HfDirectory => hf_parts(&opts.model_dir)?,
             ModelFormat::Gguf(file) => gguf_parts(&file)?,
         };
+        Self::from_parts(parts, opts, progress)
+    }
+
+    /// A random-weight model of a real shape (`qwen3-8b`, ...) for benchmarks; no tokenizer.
+    pub fn load_synthetic(name: &str, opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
+        let source = SyntheticSource::new(name)?;
+        let parts = Parts {
+            config: source.config().clone(),
+            defaults: GenerationDefaults::default(),
+            tokenizer: None,
+            template: None,
+            store: Box::new(source),
+        };
+        let mut opts = opts.clone();
+        opts.model_dir = PathBuf::from(format!("synthetic:{name}"));
+        Self::from_parts(parts, &opts, progress)
+    }
+
+    fn from_parts(parts: Parts, opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
+        let start = Instant::now();
+        let path = &opts.model_dir;
         let Parts { config, defaults, tokenizer, template, store } = parts;
         let ctx_size = resolve_ctx(opts.ctx_size, &config)?;
         let model = bind(opts, config, store.as_ref(), progress)?;
@@ -457,14 +478,20 @@ fn bind(
     store: &dyn WeightSource,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Box<dyn LanguageModel>> {
+    let cpu = |config, progress: &mut dyn FnMut(LoadProgress)| -> Result<Box<dyn LanguageModel>> {
+        Ok(Box::new(Bound::load(CpuBackend::new(opts.threads)?, config, store, progress)?))
+    };
     match opts.device {
-        Device::Auto | Device::Cpu => {
-            Ok(Box::new(Bound::load(CpuBackend::new(opts.threads)?, config, store, progress)?))
-        }
-        Device::Cuda | Device::Hip => Err(Error::Unsupported(format!(
-            "device {:?}: this build of Atlas runs on the CPU only (the GPU backend is not part of it yet)",
-            opts.device
-        ))),
+        Device::Cpu => cpu(config, progress),
+        Device::Cuda => Ok(Box::new(Bound::load(GpuBackend::cuda()?, config, store, progress)?)),
+        Device::Hip => Err(Error::Unsupported(
+            "device hip: the HIP runtime is not part of this build yet (use cuda or cpu)".into(),
+        )),
+        // A GPU when one answers, else the CPU; the load report says which.
+        Device::Auto => match cuda::available().then(GpuBackend::cuda) {
+            Some(Ok(gpu)) => Ok(Box::new(Bound::load(gpu, config, store, progress)?)),
+            _ => cpu(config, progress),
+        },
     }
 }
 

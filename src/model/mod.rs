@@ -3,6 +3,7 @@
 pub mod config;
 pub mod qwen3;
 pub mod safetensors;
+pub mod synthetic;
 pub mod weights;
 
 use std::path::Path;

@@ -4,14 +4,14 @@ use half::slice::HalfFloatSliceExt;
 
 use super::{DType, QuantMatrix};
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum DenseData {
     F32(Vec<f32>),
     F16(Vec<half::f16>),
     BF16(Vec<half::bf16>),
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct DenseMatrix {
     rows: usize,
     cols: usize,

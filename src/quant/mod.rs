@@ -4,6 +4,7 @@
 
 mod dense;
 mod ggml;
+pub mod synthetic;
 
 pub use dense::{DenseMatrix, DenseData};
 pub use ggml::{GgmlFormat, GgmlMatrix};
@@ -48,6 +49,11 @@ pub trait QuantMatrix: Send + Sync + std::fmt::Debug {
     fn storage_bytes(&self) -> usize;
     /// Writes row `row` as f32 into `out` (`out.len() == cols`).
     fn dequant_row(&self, row: usize, out: &mut [f32]);
+    /// (seed, scale) for benchmark matrices whose values are a hash of their index: a GPU backend
+    /// generates those on the device instead of copying them.
+    fn synthetic(&self) -> Option<(u64, f32)> {
+        None
+    }
 }
 
 /// Dot product with a fixed summation order (eight interleaved partial sums, then a fixed tree), so

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use atlas::sampling::Rng;
-use atlas::{EngineOptions, Error, Result};
+use atlas::{Engine, EngineOptions, Error, Result};
 use clap::Args;
 
 use crate::LoadArgs;
@@ -12,6 +12,13 @@ use crate::LoadArgs;
 pub struct BenchArgs {
     #[command(flatten)]
     load: LoadArgs,
+    /// Benchmark random weights of a real model shape instead of --model, generated on the device:
+    /// qwen3-0.6b, qwen3-1.7b, qwen3-4b or qwen3-8b.
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Weight format of the synthetic model.
+    #[arg(long, default_value = "bf16")]
+    format: String,
     /// Prompt lengths to prefill (comma-separated); 0 skips prefill tests.
     #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
     n_prompt: Vec<usize>,
@@ -30,11 +37,26 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if args.repetitions == 0 {
         return Err(Error::InvalidArgument("--repetitions must be at least 1".into()));
     }
-    let mut opts: EngineOptions = args.load.options()?;
     let longest = args.depth.iter().max().unwrap_or(&0)
         + args.n_prompt.iter().chain(&args.n_gen).max().unwrap_or(&0);
-    opts.ctx_size = Some(opts.ctx_size.unwrap_or(0).max(longest));
-    let mut engine = crate::load_engine(&opts)?;
+    let mut engine = match &args.synthetic {
+        Some(name) => {
+            if args.format != "bf16" {
+                return Err(Error::Unsupported(format!("synthetic format {:?} (bf16 only so far)", args.format)));
+            }
+            let mut opts = args.load.options_without_model()?;
+            opts.ctx_size = Some(opts.ctx_size.unwrap_or(0).max(longest));
+            let start = Instant::now();
+            let engine = Engine::load_synthetic(name, &opts, &mut |_| {})?;
+            eprintln!("made {name} on {} in {:.1} s", engine.report().device, start.elapsed().as_secs_f64());
+            engine
+        }
+        None => {
+            let mut opts: EngineOptions = args.load.options()?;
+            opts.ctx_size = Some(opts.ctx_size.unwrap_or(0).max(longest));
+            crate::load_engine(&opts)?
+        }
+    };
     let vocab = engine.config().vocab_size as u64;
     let mut rng = Rng::new(1);
     let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };

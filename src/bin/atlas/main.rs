@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 
 mod bench;
 mod info;
+mod serve;
 mod setup;
 
 #[derive(Parser)]
@@ -75,6 +76,23 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Serve the model over an OpenAI-compatible HTTP API (chat completions with streaming and
+    /// tool calls).
+    ///
+    /// Endpoints: POST /v1/chat/completions (also /chat/completions) takes an OpenAI chat request
+    /// and answers with a chat.completion, or with server-sent events (data: {chunk} ... data:
+    /// [DONE]) when "stream" is true; GET /v1/models lists the model; GET /health answers
+    /// {"status":"ok"} once the model is loaded (503 while it loads). Errors are OpenAI-shaped,
+    /// {"error": {"message", "type", "code"}}: 400 for a request the engine refuses, 401 for a
+    /// wrong API key, 500 for an internal failure, 503 while loading.
+    ///
+    /// The engine answers one request at a time; others wait their turn. A client that
+    /// disconnects cancels its request. Ctrl-C (or SIGTERM) stops accepting connections and
+    /// finishes the requests in flight; a second one stops at once.
+    ///
+    /// Example: atlas serve -m ./Qwen3-0.6B --port 8080, then point an OpenAI client at
+    /// http://127.0.0.1:8080/v1 (any API key unless --api-key is set).
+    Serve(serve::ServeArgs),
 }
 
 #[derive(Args, Clone)]
@@ -111,6 +129,16 @@ impl LoadArgs {
         };
         Ok(EngineOptions {
             model_dir,
+            device: self.device.parse::<Device>()?,
+            ctx_size: self.ctx_size,
+            threads: self.threads,
+        })
+    }
+
+    /// Device, context and threads alone, for models that are not files (synthetic benchmarks).
+    pub fn options_without_model(&self) -> Result<EngineOptions> {
+        Ok(EngineOptions {
+            model_dir: PathBuf::new(),
             device: self.device.parse::<Device>()?,
             ctx_size: self.ctx_size,
             threads: self.threads,
@@ -294,6 +322,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(args) => bench::run(&args),
         Command::Setup { force } => setup::run(force),
+        Command::Serve(args) => serve::run(&args),
     }
 }
 

@@ -1,0 +1,57 @@
+// Vendor portability for Atlas kernels: the few places where HIP (AMD) and CUDA (NVIDIA) differ.
+// Kernels include only this header, never a toolkit header, so that NVRTC and hipRTC compile them
+// with no include path (a user needs only the driver and the run-time compiler library).
+#pragma once
+
+#if defined(__HIPCC__) || defined(__HIPCC_RTC__) || defined(__HIP_DEVICE_COMPILE__)
+#define ATLAS_HIP 1
+// Wave64 on CDNA (gfx9), wave32 on RDNA (gfx10+) as HIP compiles by default.
+#define WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor(v, mask); }
+#else
+#define WARP_SIZE 32
+__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+#endif
+
+#define ATLAS_KERNEL extern "C" __global__
+
+typedef unsigned short bf16;
+
+// No math header under the run-time compilers: spell infinity by its bits.
+#define NEG_INF __int_as_float(0xff800000)
+
+// bf16 <-> f32 by bit operations: no cuda_bf16.h / hip_bf16.h needed (ROCm 5.2 lacks the latter).
+__device__ __forceinline__ float bf16_to_f32(bf16 x) { return __uint_as_float(((unsigned int)x) << 16); }
+
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // keep NaN a NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
+    return (bf16)(u >> 16);
+}
+
+// Sum over a warp; every lane gets the total. The butterfly order is fixed, so results are
+// reproducible run after run.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int m = WARP_SIZE / 2; m > 0; m >>= 1) v += shfl_xor(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int m = WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, shfl_xor(v, m));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of WARP_SIZE, at most 1024); all threads get it.
+// `scratch` holds one float per warp.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < warps; w++) total += scratch[w];
+    return total;
+}

@@ -1,0 +1,39 @@
+// Elementwise ops on f32 activations. Launch: 1-D grid of 256-thread blocks covering n.
+#include "common/portable.h"
+
+// out = silu(gate) * up
+ATLAS_KERNEL void silu_mul(const float* gate, const float* up, float* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// x += y
+ATLAS_KERNEL void add_inplace(float* x, const float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// out[t, :] = table[tokens[t], :] as f32. Grid: (ceil(cols/256), T).
+ATLAS_KERNEL void embed_bf16(const bf16* table, const int* tokens, float* out, int cols) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = blockIdx.y;
+    if (c < cols) out[(long)t * cols + c] = bf16_to_f32(table[(long)tokens[t] * cols + c]);
+}
+
+// Deterministic pseudo-random bf16 weights (synthetic benchmark models): value i is a hash of
+// (seed, i) mapped to [-scale, scale). The CPU twin is quant::synthetic.
+ATLAS_KERNEL void fill_random_bf16(bf16* w, long n, unsigned long long seed, float scale) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long stride = (long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) {
+        unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        w[i] = f32_to_bf16((2.0f * u - 1.0f) * scale);
+    }
+}

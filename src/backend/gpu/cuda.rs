@@ -1,0 +1,179 @@
+//! NVIDIA through cudarc's driver and NVRTC bindings, both loaded at run time (no CUDA needed to
+//! build or to run on the CPU). Kernels are compiled by NVRTC for the GPU present and cached on
+//! disk as CUBIN, keyed by source hash and architecture.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, sys, CudaContext};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+
+use super::runtime::{fnv1a, kernel_cache_dir, kernel_source, Arg, Runtime};
+use crate::{Error, Result};
+
+pub struct CudaRuntime {
+    ctx: Arc<CudaContext>,
+    stream: sys::CUstream,
+    _module: sys::CUmodule,
+    functions: HashMap<String, sys::CUfunction>,
+    description: String,
+}
+
+// SAFETY: the stream, module and function handles belong to `ctx`, which is made current on the
+// calling thread before every use; the engine serialises all calls on one model.
+unsafe impl Send for CudaRuntime {}
+unsafe impl Sync for CudaRuntime {}
+
+const KERNELS: [&str; 12] = [
+    "silu_mul", "add_inplace", "embed_bf16", "fill_random_bf16", "rms_norm", "rope", "gemv_bf16", "gemm_bf16",
+    "kv_append", "attention_partial", "attention_combine", "argmax",
+];
+
+fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("CUDA {what}: {e:?}"))
+}
+
+/// True when the CUDA driver library can be opened (cudarc panics on first use otherwise).
+pub fn available() -> bool {
+    // SAFETY: only tries to open the shared library.
+    unsafe { sys::is_culib_present() && nvrtc_sys::is_culib_present() }
+}
+
+impl CudaRuntime {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !available() {
+            return Err(Error::Device("no CUDA driver (libcuda) or NVRTC (libnvrtc) found".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("context", e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
+        let arch = format!("sm_{major}{minor}");
+        let name = cu::device::get_name(ctx.cu_device()).unwrap_or_else(|_| "CUDA device".into());
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| dev_err("stream", e))?;
+        let (cubin, cache_state) = compiled_kernels(&arch)?;
+        // SAFETY: `cubin` is a complete CUBIN image that outlives the call.
+        let module = unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err("module load", e))?;
+        let mut functions = HashMap::new();
+        for name in KERNELS {
+            let cname = CString::new(name).map_err(|e| dev_err("kernel name", e))?;
+            // SAFETY: the module is loaded and the name is NUL-terminated.
+            let f = unsafe { cu::module::get_function(module, cname) }.map_err(|e| dev_err(name, e))?;
+            functions.insert(name.to_string(), f);
+        }
+        let description = format!("cuda {name} ({arch}, kernels {cache_state})");
+        Ok(CudaRuntime { ctx, stream, _module: module, functions, description })
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))
+    }
+}
+
+/// NVRTC output for `arch`, from the disk cache when the same source was compiled before.
+fn compiled_kernels(arch: &str) -> Result<(Vec<u8>, &'static str)> {
+    let source = kernel_source();
+    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    let key = fnv1a(&[source.as_bytes(), arch.as_bytes(), options.join(" ").as_bytes()]);
+    let path = kernel_cache_dir().join(format!("{key:016x}-{arch}.cubin"));
+    if let Ok(bytes) = std::fs::read(&path) {
+        return Ok((bytes, "cached"));
+    }
+    let src = CString::new(source).map_err(|e| dev_err("kernel source", e))?;
+    let prog = nvrtc::create_program(&src, None).map_err(|e| dev_err("nvrtc program", e))?;
+    // SAFETY: `prog` is a live program; options are plain strings.
+    let compiled = unsafe { nvrtc::compile_program(prog, &options) };
+    if compiled.is_err() {
+        // SAFETY: as above.
+        let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
+        let log: String = log.iter().map(|&c| c as u8 as char).collect();
+        unsafe { nvrtc::destroy_program(prog) }.ok();
+        return Err(Error::Device(format!("NVRTC could not compile the kernels for {arch}:\n{log}")));
+    }
+    let mut size = 0usize;
+    // SAFETY: the program compiled for a real architecture, so it has a CUBIN.
+    let cubin = unsafe {
+        nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| dev_err("cubin size", e))?;
+        let mut buf = vec![0u8; size];
+        nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()).result().map_err(|e| dev_err("cubin", e))?;
+        nvrtc::destroy_program(prog).ok();
+        buf
+    };
+    // The cache is an optimisation: a read-only home directory just means compiling next time too.
+    if std::fs::create_dir_all(kernel_cache_dir()).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok((cubin, "compiled"))
+}
+
+impl Runtime for CudaRuntime {
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64> {
+        self.bind()?;
+        // SAFETY: the stream belongs to the current context.
+        unsafe { cu::malloc_async(self.stream, bytes.max(1)) }.map_err(|e| dev_err(&format!("alloc {bytes} bytes"), e))
+    }
+
+    fn free(&self, ptr: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: `ptr` came from alloc and is freed once, after queued work.
+            let _ = unsafe { cu::free_async(ptr, self.stream) };
+        }
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: dst holds at least src.len() bytes; we wait before `src` can be dropped.
+        unsafe {
+            cu::memcpy_htod_async(dst, src, self.stream).map_err(|e| dev_err("upload", e))?;
+            cu::stream::synchronize(self.stream).map_err(|e| dev_err("upload", e))
+        }
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: src holds at least dst.len() bytes.
+        unsafe {
+            cu::memcpy_dtoh_async(dst, src, self.stream).map_err(|e| dev_err("download", e))?;
+            cu::stream::synchronize(self.stream).map_err(|e| dev_err("download", e))
+        }
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both ranges are device allocations of at least `bytes`.
+        unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream) }.map_err(|e| dev_err("copy", e))
+    }
+
+    fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
+        self.bind()?;
+        let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::I64(v) => v as u64,
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        // Each parameter points at its 8-byte slot; 4-byte ones read the low half (little-endian).
+        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        // SAFETY: the argument list matches the kernel's signature (checked by the GPU op tests).
+        unsafe {
+            cu::launch_kernel(f, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared_bytes, self.stream, &mut params)
+        }
+        .map_err(|e| dev_err(kernel, e))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the stream is live.
+        unsafe { cu::stream::synchronize(self.stream) }.map_err(|e| dev_err("synchronize", e))
+    }
+}
