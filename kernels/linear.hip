@@ -1,11 +1,45 @@
 // Linear layers with bf16 weights: y[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]), f32 accumulation.
 // Layout: W [N, K] bf16 row-major (nn.Linear.weight), x [T, K] f32, y [T, N] f32, bias [N] f32 or null.
 #include "common/portable.h"
+#include "common/mma.h"
 
 #define GEMV_MAX_T 8
 
-// Decode (T <= GEMV_MAX_T): one warp per output row, each W row read once for all T tokens with
-// 16-byte loads (8 bf16 per lane). Launch: grid ceil(N / warps_per_block), block 256. Needs K % 8 == 0.
+// Decode, one token: one warp per output row, 16-byte weight loads (8 bf16 per lane), four in
+// flight per lane to keep the memory system busy. Launch: grid ceil(N / warps_per_block), block 256.
+// Needs K % 8 == 0.
+ATLAS_KERNEL void gemv1_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (n >= N) return;
+    const uint4* row = (const uint4*)(W + (long)n * K);
+    const float4* xv = (const float4*)x;
+    const int chunks = K / 8;
+    float acc = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += 4 * WARP_SIZE) {
+        uint4 p[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int c = c0 + u * WARP_SIZE;
+            p[u] = c < chunks ? row[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int c = c0 + u * WARP_SIZE;
+            if (c < chunks) {
+                const float4 a = xv[2 * c], b = xv[2 * c + 1];
+                acc += __uint_as_float(p[u].x << 16) * a.x + __uint_as_float(p[u].x & 0xffff0000u) * a.y
+                     + __uint_as_float(p[u].y << 16) * a.z + __uint_as_float(p[u].y & 0xffff0000u) * a.w
+                     + __uint_as_float(p[u].z << 16) * b.x + __uint_as_float(p[u].z & 0xffff0000u) * b.y
+                     + __uint_as_float(p[u].w << 16) * b.z + __uint_as_float(p[u].w & 0xffff0000u) * b.w;
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) y[n] = acc + (bias ? bias[n] : 0.0f);
+}
+
+// Decode, a few tokens (T <= GEMV_MAX_T): as gemv1, each W row read once for all T tokens.
 ATLAS_KERNEL void gemv_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K, int T) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
@@ -42,47 +76,101 @@ ATLAS_KERNEL void gemv_bf16(const bf16* W, const float* x, const float* bias, fl
     }
 }
 
-// Prefill (any T, any K): 64x64 output tiles, 32-wide K steps through shared memory, 4x4 outputs
-// per thread. Launch: grid (ceil(N/64), ceil(T/64)), block 256.
-#define TILE 64
-#define TK 32
+// Prefill (T > GEMV_MAX_T, any K): 128x128 output tiles on the matrix cores (common/mma.h). Each
+// 32-wide K step stages x (converted to bf16) and W in shared memory; the 64 16x16 tiles of a
+// block are shared out among its warps. Launch: grid (ceil(N/128), ceil(T/128)), block 256.
+#define GM 128
+#define GN 128
+#define GK 32
+#define GLD (GK + 8)
+#define GTHREADS 256
+#define TILES_PER_WARP (64 / (GTHREADS / WARP_SIZE))
+
 ATLAS_KERNEL void gemm_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K, int T) {
-    __shared__ float xs[TK][TILE + 1];
-    __shared__ float ws[TK][TILE + 1];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const int n0 = blockIdx.x * TILE, t0 = blockIdx.y * TILE;
-    float acc[4][4] = {};
-    for (int k0 = 0; k0 < K; k0 += TK) {
-        for (int i = threadIdx.x; i < TILE * TK; i += blockDim.x) {
-            const int r = i / TK, k = i % TK;
-            const int t = t0 + r, n = n0 + r, kk = k0 + k;
-            xs[k][r] = (t < T && kk < K) ? x[(long)t * K + kk] : 0.0f;
-            ws[k][r] = (n < N && kk < K) ? bf16_to_f32(W[(long)n * K + kk]) : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int k = 0; k < TK; k++) {
-            float a[4], b[4];
+    __shared__ bf16 xs[GM * GLD];
+    __shared__ bf16 ws[GN * GLD];
+    const int warp = threadIdx.x / WARP_SIZE, warps = GTHREADS / WARP_SIZE;
+    const int n0 = blockIdx.x * GN, t0 = blockIdx.y * GM;
+    float acc[TILES_PER_WARP][MMA_ACC];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                a[i] = xs[k][ty * 4 + i];
-                b[i] = ws[k][tx * 4 + i];
+    for (int j = 0; j < TILES_PER_WARP; j++)
+#pragma unroll
+        for (int i = 0; i < MMA_ACC; i++) acc[j][i] = 0.0f;
+
+    // Blocks of whole tiles (the usual case) load the next K step into registers with 16-byte loads
+    // while the matrix cores work on the current one; edge blocks go element by element.
+    const bool full = (K % GK) == 0 && t0 + GM <= T && n0 + GN <= N;
+    float4 xr[GM * GK / 4 / GTHREADS];
+    uint4 wr[GN * GK / 8 / GTHREADS];
+    if (full) {
+#pragma unroll
+        for (int i = 0; i < GM * GK / 4 / GTHREADS; i++) {
+            const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 4), k = (e % (GK / 4)) * 4;
+            xr[i] = *(const float4*)(x + (long)(t0 + r) * K + k);
+        }
+#pragma unroll
+        for (int i = 0; i < GN * GK / 8 / GTHREADS; i++) {
+            const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 8), k = (e % (GK / 8)) * 8;
+            wr[i] = *(const uint4*)(W + (long)(n0 + r) * K + k);
+        }
+    }
+    for (int k0 = 0; k0 < K; k0 += GK) {
+        if (full) {
+#pragma unroll
+            for (int i = 0; i < GM * GK / 4 / GTHREADS; i++) {
+                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 4), k = (e % (GK / 4)) * 4;
+                bf16* dst = xs + r * GLD + k;
+                dst[0] = f32_to_bf16(xr[i].x);
+                dst[1] = f32_to_bf16(xr[i].y);
+                dst[2] = f32_to_bf16(xr[i].z);
+                dst[3] = f32_to_bf16(xr[i].w);
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < GN * GK / 8 / GTHREADS; i++) {
+                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 8), k = (e % (GK / 8)) * 8;
+                unsigned int* dst = (unsigned int*)(ws + r * GLD + k);
+                dst[0] = wr[i].x;
+                dst[1] = wr[i].y;
+                dst[2] = wr[i].z;
+                dst[3] = wr[i].w;
+            }
+        } else {
+            for (int e = threadIdx.x; e < GM * GK; e += GTHREADS) {
+                const int r = e / GK, k = e % GK, t = t0 + r, n = n0 + r, kk = k0 + k;
+                xs[r * GLD + k] = (t < T && kk < K) ? f32_to_bf16(x[(long)t * K + kk]) : (bf16)0;
+                ws[r * GLD + k] = (n < N && kk < K) ? W[(long)n * K + kk] : (bf16)0;
+            }
+        }
+        __syncthreads();
+        if (full && k0 + GK < K) {
 #pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] += a[i] * b[j];
+            for (int i = 0; i < GM * GK / 4 / GTHREADS; i++) {
+                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 4), k = (e % (GK / 4)) * 4;
+                xr[i] = *(const float4*)(x + (long)(t0 + r) * K + k0 + GK + k);
+            }
+#pragma unroll
+            for (int i = 0; i < GN * GK / 8 / GTHREADS; i++) {
+                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 8), k = (e % (GK / 8)) * 8;
+                wr[i] = *(const uint4*)(W + (long)(n0 + r) * K + k0 + GK + k);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < GK; kk += 16) {
+#pragma unroll
+            for (int j = 0; j < TILES_PER_WARP; j++) {
+                const int tile = warp + j * warps, tm = tile / 8, tn = tile % 8;
+                mma16(acc[j], xs + tm * 16 * GLD + kk, GLD, ws + tn * 16 * GLD + kk, GLD);
+            }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int t = t0 + ty * 4 + i;
-        if (t >= T) continue;
+    for (int j = 0; j < TILES_PER_WARP; j++) {
+        const int tile = warp + j * warps, tm = tile / 8, tn = tile % 8;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int n = n0 + tx * 4 + j;
-            if (n < N) y[(long)t * N + n] = acc[i][j] + (bias ? bias[n] : 0.0f);
+        for (int i = 0; i < MMA_ACC; i++) {
+            const int t = t0 + tm * 16 + mma_row(i), n = n0 + tn * 16 + mma_col(i);
+            if (t < T && n < N) y[(long)t * N + n] = acc[j][i] + (bias ? bias[n] : 0.0f);
         }
     }
 }

@@ -8,9 +8,11 @@
 // Wave64 on CDNA (gfx9), wave32 on RDNA (gfx10+) as HIP compiles by default.
 #define WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor(v, mask); }
+__device__ __forceinline__ float shfl(float v, int src_lane) { return __shfl(v, src_lane); }
 #else
 #define WARP_SIZE 32
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ float shfl(float v, int src_lane) { return __shfl_sync(0xffffffffu, v, src_lane); }
 #endif
 
 #define ATLAS_KERNEL extern "C" __global__

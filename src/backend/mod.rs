@@ -37,7 +37,8 @@ pub trait Backend: Send + Sync {
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight>;
     /// A 1-row tensor (norm weights, biases).
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Tensor>;
-    fn new_kv_cache(&self, kv_width: usize) -> Result<Self::KvCache>;
+    /// A cache for `capacity` positions (it may grow past that on backends that can).
+    fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<Self::KvCache>;
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 
     /// Rows of `table` for each token: `[tokens.len(), table.cols]`.
@@ -65,4 +66,24 @@ pub trait Backend: Send + Sync {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// The last row of `x` as a `[1, cols]` tensor.
     fn last_row(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+
+    /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
+    /// backend supports it. `replay_decode` runs the recorded step for (token, pos) and returns its
+    /// logits, or None when nothing is recorded.
+    fn replay_decode(&self, _token: u32, _pos: usize) -> Result<Option<Vec<f32>>> {
+        Ok(None)
+    }
+
+    /// Runs `step` (the model's decode step, returning `[1, vocab]` logits) while recording it,
+    /// with token and position read from device memory so the recording fits every later step.
+    /// Returns None, without running `step`, where recording is not supported.
+    fn record_decode(
+        &self,
+        _token: u32,
+        _pos: usize,
+        _vocab: usize,
+        _step: &mut dyn FnMut() -> Result<Self::Tensor>,
+    ) -> Result<Option<Vec<f32>>> {
+        Ok(None)
+    }
 }

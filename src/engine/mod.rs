@@ -144,7 +144,7 @@ impl Engine {
         let path = &opts.model_dir;
         let Parts { config, defaults, tokenizer, template, store } = parts;
         let ctx_size = resolve_ctx(opts.ctx_size, &config)?;
-        let model = bind(opts, config, store.as_ref(), progress)?;
+        let model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
         let report = LoadReport {
             model_dir: path.display().to_string(),
             architecture: model.config().arch.name().to_string(),
@@ -476,20 +476,21 @@ fn bind(
     opts: &EngineOptions,
     config: ModelConfig,
     store: &dyn WeightSource,
+    ctx_size: usize,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Box<dyn LanguageModel>> {
     let cpu = |config, progress: &mut dyn FnMut(LoadProgress)| -> Result<Box<dyn LanguageModel>> {
-        Ok(Box::new(Bound::load(CpuBackend::new(opts.threads)?, config, store, progress)?))
+        Ok(Box::new(Bound::load(CpuBackend::new(opts.threads)?, config, store, ctx_size, progress)?))
     };
     match opts.device {
         Device::Cpu => cpu(config, progress),
-        Device::Cuda => Ok(Box::new(Bound::load(GpuBackend::cuda()?, config, store, progress)?)),
+        Device::Cuda => Ok(Box::new(Bound::load(GpuBackend::cuda()?, config, store, ctx_size, progress)?)),
         Device::Hip => Err(Error::Unsupported(
             "device hip: the HIP runtime is not part of this build yet (use cuda or cpu)".into(),
         )),
         // A GPU when one answers, else the CPU; the load report says which.
         Device::Auto => match cuda::available().then(GpuBackend::cuda) {
-            Some(Ok(gpu)) => Ok(Box::new(Bound::load(gpu, config, store, progress)?)),
+            Some(Ok(gpu)) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
             _ => cpu(config, progress),
         },
     }

@@ -29,6 +29,8 @@ pub struct Bound<B: Backend> {
     backend: B,
     model: qwen3::Qwen3<B>,
     cache: Vec<B::KvCache>,
+    /// Forward passes so far: decode steps are recorded only once everything they touch exists.
+    passes: usize,
 }
 
 impl<B: Backend> Bound<B> {
@@ -36,11 +38,12 @@ impl<B: Backend> Bound<B> {
         backend: B,
         config: ModelConfig,
         source: &dyn WeightSource,
+        ctx_size: usize,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
         let model = qwen3::Qwen3::load(config, source, &backend, progress)?;
-        let cache = model.new_cache(&backend)?;
-        Ok(Bound { backend, model, cache })
+        let cache = model.new_cache(&backend, ctx_size)?;
+        Ok(Bound { backend, model, cache, passes: 0 })
     }
 }
 
@@ -53,7 +56,18 @@ impl<B: Backend> LanguageModel for Bound<B> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("no tokens to run".into()));
         }
-        self.model.forward(&self.backend, tokens, start_pos, &mut self.cache)
+        let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
+        if let ([token], true) = (tokens, self.passes > 0) {
+            if let Some(logits) = b.replay_decode(*token, start_pos)? {
+                return Ok(logits);
+            }
+            let mut step = || model.forward(b, tokens, start_pos, cache);
+            if let Some(logits) = b.record_decode(*token, start_pos, model.config.vocab_size, &mut step)? {
+                return Ok(logits);
+            }
+        }
+        self.passes += 1;
+        b.to_host(&model.forward(b, tokens, start_pos, cache)?)
     }
 
     fn backend_description(&self) -> String {

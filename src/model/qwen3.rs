@@ -132,13 +132,13 @@ impl<B: Backend> Qwen3<B> {
         Ok(Qwen3 { config, embed_tokens, layers, norm, lm_head, rope })
     }
 
-    pub fn new_cache(&self, backend: &B) -> Result<Vec<B::KvCache>> {
-        (0..self.layers.len()).map(|_| backend.new_kv_cache(self.config.kv_width())).collect()
+    pub fn new_cache(&self, backend: &B, capacity: usize) -> Result<Vec<B::KvCache>> {
+        (0..self.layers.len()).map(|_| backend.new_kv_cache(self.config.kv_width(), capacity)).collect()
     }
 
     /// Runs `tokens` at positions `start_pos..` and returns the logits of the last one
-    /// (`[vocab_size]`). The cache must hold positions `0..start_pos` from earlier calls.
-    pub fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [B::KvCache]) -> Result<Vec<f32>> {
+    /// (`[1, vocab_size]`, on the backend). The cache must hold positions `0..start_pos`.
+    pub fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [B::KvCache]) -> Result<B::Tensor> {
         let c = &self.config;
         let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
         let linear = |x: &B::Tensor, l: &Linear<B>| b.linear(x, &l.weight, l.bias.as_ref());
@@ -166,7 +166,7 @@ impl<B: Backend> Qwen3<B> {
         }
         let last = b.rms_norm(&b.last_row(&x)?, &self.norm, c.rms_norm_eps)?; // [1, H]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        b.to_host(&b.linear(&last, head, None)?)
+        b.linear(&last, head, None)
     }
 }
 

@@ -79,7 +79,8 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(1, v.len(), v.to_vec()))
     }
 
-    fn new_kv_cache(&self, kv_width: usize) -> Result<CpuKvCache> {
+    fn new_kv_cache(&self, kv_width: usize, _capacity: usize) -> Result<CpuKvCache> {
+        // Grown as positions arrive: memory follows use, not the context size.
         Ok(CpuKvCache { width: kv_width, keys: Vec::new(), values: Vec::new() })
     }
 

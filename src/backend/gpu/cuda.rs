@@ -25,9 +25,9 @@ pub struct CudaRuntime {
 unsafe impl Send for CudaRuntime {}
 unsafe impl Sync for CudaRuntime {}
 
-const KERNELS: [&str; 12] = [
-    "silu_mul", "add_inplace", "embed_bf16", "fill_random_bf16", "rms_norm", "rope", "gemv_bf16", "gemm_bf16",
-    "kv_append", "attention_partial", "attention_combine", "argmax",
+pub(crate) const KERNELS: [&str; 14] = [
+    "silu_mul", "add_inplace", "embed_bf16", "fill_random_bf16", "rms_norm", "rope", "gemv1_bf16", "gemv_bf16", "gemm_bf16",
+    "kv_append", "attention_partial", "attention_decode", "attention_combine", "argmax",
 ];
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -50,6 +50,15 @@ impl CudaRuntime {
         let arch = format!("sm_{major}{minor}");
         let name = cu::device::get_name(ctx.cu_device()).unwrap_or_else(|_| "CUDA device".into());
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| dev_err("stream", e))?;
+        // Keep freed blocks in the stream-ordered pool: per-op temporaries then cost no driver call.
+        // SAFETY: the device handle is valid; the attribute takes a u64.
+        unsafe {
+            let pool = cu::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| dev_err("memory pool", e))?;
+            let mut threshold = u64::MAX;
+            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast())
+                .result()
+                .map_err(|e| dev_err("memory pool", e))?;
+        }
         let (cubin, cache_state) = compiled_kernels(&arch)?;
         // SAFETY: `cubin` is a complete CUBIN image that outlives the call.
         let module = unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err("module load", e))?;
@@ -175,5 +184,36 @@ impl Runtime for CudaRuntime {
         self.bind()?;
         // SAFETY: the stream is live.
         unsafe { cu::stream::synchronize(self.stream) }.map_err(|e| dev_err("synchronize", e))
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the stream is live and not capturing.
+        unsafe { cu::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
+            .map_err(|e| dev_err("begin capture", e))
+    }
+
+    fn end_capture(&self) -> Result<u64> {
+        self.bind()?;
+        // SAFETY: the stream is capturing; the graph is destroyed once instantiated.
+        unsafe {
+            let graph = cu::stream::end_capture(self.stream).map_err(|e| dev_err("end capture", e))?;
+            let exec = cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0));
+            cu::graph::destroy(graph).ok();
+            Ok(exec.map_err(|e| dev_err("graph instantiate", e))? as u64)
+        }
+    }
+
+    fn launch_graph(&self, graph: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `graph` came from end_capture and was not destroyed.
+        unsafe { cu::graph::launch(graph as sys::CUgraphExec, self.stream) }.map_err(|e| dev_err("graph launch", e))
+    }
+
+    fn destroy_graph(&self, graph: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: as above; destroyed once.
+            let _ = unsafe { cu::graph::exec_destroy(graph as sys::CUgraphExec) };
+        }
     }
 }

@@ -5,7 +5,7 @@
 pub mod cuda;
 pub mod runtime;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use half::bf16;
 use rayon::prelude::*;
@@ -60,6 +60,19 @@ pub struct GpuKvCache {
 
 pub struct GpuBackend {
     rt: Arc<dyn Runtime>,
+    /// The rotary frequency table on the device, uploaded once (every layer uses the same one).
+    rope_table: Mutex<Option<(Vec<f32>, GpuTensor)>>,
+    decode: Mutex<DecodeGraph>,
+}
+
+/// The recorded decode step. While recording, ops read the token and position from `inputs`
+/// (device [token, pos]) instead of taking them as launch arguments, and attention covers the
+/// whole cache, so one recording serves every later step.
+struct DecodeGraph {
+    recording: bool,
+    inputs: Option<DeviceBuffer>,
+    logits: Option<GpuTensor>,
+    exec: Option<u64>,
 }
 
 const BLOCK: u32 = 256;
@@ -73,13 +86,46 @@ fn blocks(n: usize, per: u32) -> u32 {
 
 impl GpuBackend {
     pub fn new(rt: Arc<dyn Runtime>) -> Self {
-        GpuBackend { rt }
+        let decode = DecodeGraph { recording: false, inputs: None, logits: None, exec: None };
+        GpuBackend { rt, rope_table: Mutex::new(None), decode: Mutex::new(decode) }
+    }
+
+    fn decode_state(&self) -> std::sync::MutexGuard<'_, DecodeGraph> {
+        self.decode.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Device pointer of the recorded step's [token, pos] pair, or None outside a recording.
+    fn recorded_inputs(&self) -> Option<u64> {
+        let d = self.decode_state();
+        d.recording.then(|| d.inputs.as_ref().map(|b| b.ptr)).flatten()
+    }
+
+    fn set_inputs(&self, token: u32, pos: usize) -> Result<u64> {
+        let mut d = self.decode_state();
+        if d.inputs.is_none() {
+            d.inputs = Some(DeviceBuffer::new(&self.rt, 8)?);
+        }
+        let ptr = d.inputs.as_ref().map_or(0, |b| b.ptr);
+        let mut bytes = [0u8; 8];
+        bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
+        bytes[4..].copy_from_slice(&(pos as i32).to_le_bytes());
+        drop(d);
+        self.rt.upload(ptr, &bytes)?;
+        Ok(ptr)
+    }
+
+    fn forget_recording(&self) {
+        let mut d = self.decode_state();
+        if let Some(exec) = d.exec.take() {
+            self.rt.destroy_graph(exec);
+        }
     }
 
     /// The first CUDA device.
     pub fn cuda() -> Result<Self> {
         Ok(GpuBackend::new(Arc::new(cuda::CudaRuntime::new(0)?)))
     }
+
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
         &self.rt
@@ -116,6 +162,8 @@ impl GpuBackend {
         if needed <= cache.capacity {
             return Ok(());
         }
+        // The recorded decode step points at the old buffers.
+        self.forget_recording();
         let capacity = needed.next_power_of_two().max(256);
         let bytes = capacity * cache.width * 2;
         let keys = DeviceBuffer::new(&self.rt, bytes)?;
@@ -185,11 +233,12 @@ impl Backend for GpuBackend {
         self.upload_f32(1, v.len(), v)
     }
 
-    fn new_kv_cache(&self, kv_width: usize) -> Result<GpuKvCache> {
+    fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<GpuKvCache> {
+        let bytes = (capacity * kv_width * 2).max(2);
         Ok(GpuKvCache {
-            keys: DeviceBuffer::new(&self.rt, 2)?,
-            values: DeviceBuffer::new(&self.rt, 2)?,
-            capacity: 0,
+            keys: DeviceBuffer::new(&self.rt, bytes)?,
+            values: DeviceBuffer::new(&self.rt, bytes)?,
+            capacity,
             width: kv_width,
         })
     }
@@ -209,12 +258,19 @@ impl Backend for GpuBackend {
                 table.rows
             )));
         }
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let ids_buf = DeviceBuffer::new(&self.rt, ids.len() * 4)?;
-        // SAFETY: i32 slice viewed as bytes.
-        self.rt.upload(ids_buf.ptr, unsafe { std::slice::from_raw_parts(ids.as_ptr().cast(), ids.len() * 4) })?;
         let out = self.tensor(tokens.len(), table.cols)?;
-        let args = [Arg::Ptr(table.buf.ptr), Arg::Ptr(ids_buf.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(table.cols as i32)];
+        let mut ids_buf = None;
+        let ids_ptr = match self.recorded_inputs() {
+            Some(inputs) => inputs,
+            None => {
+                let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+                let buf = DeviceBuffer::new(&self.rt, ids.len() * 4)?;
+                // SAFETY: i32 slice viewed as bytes.
+                self.rt.upload(buf.ptr, unsafe { std::slice::from_raw_parts(ids.as_ptr().cast(), ids.len() * 4) })?;
+                ids_buf.insert(buf).ptr
+            }
+        };
+        let args = [Arg::Ptr(table.buf.ptr), Arg::Ptr(ids_ptr), Arg::Ptr(out.buf.ptr), Arg::I32(table.cols as i32)];
         self.rt.launch("embed_bf16", [blocks(table.cols, BLOCK), tokens.len() as u32, 1], [BLOCK, 1, 1], 0, &args)?;
         Ok(out)
     }
@@ -252,11 +308,13 @@ impl Backend for GpuBackend {
             Arg::I32(k as i32),
             Arg::I32(t as i32),
         ];
-        if t <= GEMV_MAX_T && k % 8 == 0 {
-            let rows_per_block = BLOCK / 32;
+        let rows_per_block = BLOCK / 32;
+        if t == 1 && k % 8 == 0 {
+            self.rt.launch("gemv1_bf16", [blocks(n, rows_per_block), 1, 1], [BLOCK, 1, 1], 0, &args[..6])?;
+        } else if t <= GEMV_MAX_T && k % 8 == 0 {
             self.rt.launch("gemv_bf16", [blocks(n, rows_per_block), 1, 1], [BLOCK, 1, 1], 0, &args)?;
         } else {
-            self.rt.launch("gemm_bf16", [blocks(n, 64), blocks(t, 64), 1], [256, 1, 1], 0, &args)?;
+            self.rt.launch("gemm_bf16", [blocks(n, 128), blocks(t, 128), 1], [256, 1, 1], 0, &args)?;
         }
         Ok(y)
     }
@@ -266,9 +324,13 @@ impl Backend for GpuBackend {
         if x.cols % d != 0 || rope.inv_freq.len() != d / 2 {
             return Err(Error::InvalidArgument(format!("rope: width {} and head_dim {d} disagree", x.cols)));
         }
-        // The frequency table is tiny; uploading it per call keeps Rope a plain host struct.
-        let freqs = self.upload_f32(1, d / 2, &rope.inv_freq)?;
-        let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(freqs.buf.ptr), Arg::I32(start_pos as i32), Arg::I32(d as i32)];
+        let mut table = self.rope_table.lock().unwrap_or_else(|p| p.into_inner());
+        if table.as_ref().map_or(true, |(host, _)| *host != rope.inv_freq) {
+            *table = Some((rope.inv_freq.clone(), self.upload_f32(1, d / 2, &rope.inv_freq)?));
+        }
+        let freqs = table.as_ref().map_or(0, |(_, t)| t.buf.ptr);
+        let pos_dev = self.recorded_inputs().map_or(0, |p| p + 4);
+        let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(freqs), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(d as i32)];
         let threads = (d / 2).next_multiple_of(32) as u32;
         self.rt.launch("rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], 0, &args)
     }
@@ -287,15 +349,21 @@ impl Backend for GpuBackend {
         if k.cols != width || v.cols != width || q.cols != num_heads * d || num_kv_heads * d != width {
             return Err(Error::InvalidArgument("attention: q/k/v widths disagree with the shape".into()));
         }
-        if d % 32 != 0 || d > 256 {
-            return Err(Error::Unsupported(format!("head_dim {d} on the GPU (a multiple of 32, at most 256)")));
+        if d > 256 {
+            return Err(Error::Unsupported(format!("head_dim {d} on the GPU (at most 256)")));
         }
         let t = q.rows;
+        let recorded = self.recorded_inputs();
+        if recorded.is_some() && start_pos + t > cache.capacity {
+            return Err(Error::ContextOverflow(format!("position {} is past the KV cache", start_pos + t)));
+        }
         self.grow_cache(cache, start_pos + t)?;
-        let args = [Arg::Ptr(k.buf.ptr), Arg::Ptr(v.buf.ptr), Arg::Ptr(cache.keys.ptr), Arg::Ptr(cache.values.ptr), Arg::I32(start_pos as i32), Arg::I32(width as i32)];
+        let pos_dev = Arg::Ptr(recorded.map_or(0, |p| p + 4));
+        let args = [Arg::Ptr(k.buf.ptr), Arg::Ptr(v.buf.ptr), Arg::Ptr(cache.keys.ptr), Arg::Ptr(cache.values.ptr), Arg::I32(start_pos as i32), pos_dev, Arg::I32(width as i32)];
         self.rt.launch("kv_append", [blocks(width, BLOCK), t as u32, 1], [BLOCK, 1, 1], 0, &args)?;
 
-        let longest = start_pos + t;
+        // A recording must fit every later position: it covers the whole cache.
+        let longest = if recorded.is_some() { cache.capacity } else { start_pos + t };
         let splits = longest.div_ceil(ATTENTION_CHUNK);
         let partial = DeviceBuffer::new(&self.rt, t * num_heads * splits * (d + 2) * 4)?;
         let scale = 1.0 / (d as f32).sqrt();
@@ -305,15 +373,19 @@ impl Backend for GpuBackend {
             Arg::Ptr(cache.values.ptr),
             Arg::Ptr(partial.ptr),
             Arg::I32(start_pos as i32),
+            pos_dev,
             Arg::I32(num_kv_heads as i32),
             Arg::I32(d as i32),
             Arg::F32(scale),
             Arg::I32(ATTENTION_CHUNK as i32),
         ];
-        self.rt.launch("attention_partial", [num_heads as u32, t as u32, splits as u32], [128, 1, 1], 0, &args)?;
+        // One query row with a regular head size takes the decode kernel (lanes over positions).
+        let kernel = if t == 1 && d % 8 == 0 && d % 64 == 0 { "attention_decode" } else { "attention_partial" };
+        self.rt.launch(kernel, [num_heads as u32, t as u32, splits as u32], [128, 1, 1], 0, &args)?;
         let out = self.tensor(t, num_heads * d)?;
         let args = [Arg::Ptr(partial.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(d as i32), Arg::I32(splits as i32)];
-        self.rt.launch("attention_combine", [num_heads as u32, t as u32, 1], [d as u32, 1, 1], 0, &args)?;
+        let threads = d.next_multiple_of(32) as u32;
+        self.rt.launch("attention_combine", [num_heads as u32, t as u32, 1], [threads, 1, 1], 0, &args)?;
         Ok(out)
     }
 
@@ -338,5 +410,62 @@ impl Backend for GpuBackend {
         let out = self.tensor(1, x.cols)?;
         self.rt.copy(out.buf.ptr, x.buf.ptr + ((x.rows - 1) * x.cols * 4) as u64, x.cols * 4)?;
         Ok(out)
+    }
+
+    fn replay_decode(&self, token: u32, pos: usize) -> Result<Option<Vec<f32>>> {
+        let exec = self.decode_state().exec;
+        let Some(exec) = exec else { return Ok(None) };
+        self.set_inputs(token, pos)?;
+        self.rt.launch_graph(exec)?;
+        let d = self.decode_state();
+        d.logits.as_ref().map(|l| self.to_host(l)).transpose()
+    }
+
+    fn record_decode(
+        &self,
+        token: u32,
+        pos: usize,
+        vocab: usize,
+        step: &mut dyn FnMut() -> Result<GpuTensor>,
+    ) -> Result<Option<Vec<f32>>> {
+        self.forget_recording();
+        // The output lives outside the graph: the graph ends by copying the logits into it.
+        let logits = self.tensor(1, vocab)?;
+        self.set_inputs(token, pos)?;
+        if self.rt.begin_capture().is_err() {
+            return Ok(None);
+        }
+        self.decode_state().recording = true;
+        let recorded = step().and_then(|out| {
+            if (out.rows, out.cols) != (1, vocab) {
+                return Err(Error::InvalidArgument(format!("decode step returned [{}, {}]", out.rows, out.cols)));
+            }
+            self.rt.copy(logits.buf.ptr, out.buf.ptr, vocab * 4)
+        });
+        self.decode_state().recording = false;
+        let graph = self.rt.end_capture();
+        let exec = match (recorded, graph) {
+            (Ok(()), Ok(exec)) => exec,
+            (Ok(()), Err(e)) => return Err(e),
+            (Err(e), graph) => {
+                if let Ok(exec) = graph {
+                    self.rt.destroy_graph(exec);
+                }
+                return Err(e);
+            }
+        };
+        // Capturing records without running: run it once now.
+        self.rt.launch_graph(exec)?;
+        let host = self.to_host(&logits)?;
+        let mut d = self.decode_state();
+        d.exec = Some(exec);
+        d.logits = Some(logits);
+        Ok(Some(host))
+    }
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        self.forget_recording();
     }
 }

@@ -28,12 +28,26 @@ pub trait Runtime: Send + Sync {
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
+
+    /// Starts recording the stream's work into a graph instead of running it.
+    fn begin_capture(&self) -> Result<()> {
+        Err(crate::Error::Unsupported("graph capture on this runtime".into()))
+    }
+    /// Ends the recording; returns an executable graph handle.
+    fn end_capture(&self) -> Result<u64> {
+        Err(crate::Error::Unsupported("graph capture on this runtime".into()))
+    }
+    fn launch_graph(&self, _graph: u64) -> Result<()> {
+        Err(crate::Error::Unsupported("graph capture on this runtime".into()))
+    }
+    fn destroy_graph(&self, _graph: u64) {}
 }
 
-/// The kernel sources as one translation unit: the portability header first, then every op file
-/// with its `#include` of that header removed (the run-time compilers get no include path).
+/// The kernel sources as one translation unit: the common headers first, then every op file, with
+/// the `#include "common/..."` lines removed (the run-time compilers get no include path).
 pub fn kernel_source() -> String {
-    const HEADER: &str = include_str!("../../../kernels/common/portable.h");
+    const HEADERS: [&str; 2] =
+        [include_str!("../../../kernels/common/portable.h"), include_str!("../../../kernels/common/mma.h")];
     const FILES: [&str; 6] = [
         include_str!("../../../kernels/elementwise.hip"),
         include_str!("../../../kernels/norm.hip"),
@@ -42,10 +56,13 @@ pub fn kernel_source() -> String {
         include_str!("../../../kernels/attention.hip"),
         include_str!("../../../kernels/sampling.hip"),
     ];
-    let mut src = String::from(HEADER);
-    for f in FILES {
+    let strip = |text: &str| -> String {
+        text.lines().filter(|l| !l.starts_with("#include \"")).collect::<Vec<_>>().join("\n")
+    };
+    let mut src = String::new();
+    for f in HEADERS.iter().chain(FILES.iter()) {
+        src.push_str(&strip(f));
         src.push('\n');
-        src.push_str(&f.replace("#include \"common/portable.h\"", ""));
     }
     src
 }

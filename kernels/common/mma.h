@@ -1,0 +1,128 @@
+// Matrix cores behind one interface: a warp-wide 16x16x16 bf16 product with f32 accumulation,
+//   acc[16x16] += A[16x16] · B[16x16]ᵀ,
+// where A (rows m, k contiguous) and B (rows n, k contiguous, like nn.Linear.weight) are bf16 in
+// shared memory with leading dimensions lda, ldb (even). The 256 accumulators are spread over the
+// warp: MMA_ACC floats per lane, the i-th at (mma_row(i), mma_col(i)) of the tile.
+//   NVIDIA sm_80+   mma.sync m16n8k16 (two per tile)
+//   RDNA3/3.5       WMMA 16x16x16 (wave32)
+//   RDNA4           WMMA 16x16x16, gfx12 layout (wave32)
+//   CDNA2/3         MFMA 16x16x16 (wave64)
+//   anything else   a plain loop over shared memory (same results up to rounding order)
+#pragma once
+#include "portable.h"
+
+#ifndef __has_builtin
+#define __has_builtin(x) 0
+#endif
+
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MMA_ACC 8
+__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
+    const unsigned a0 = *(const unsigned*)(A + g * lda + c);
+    const unsigned a1 = *(const unsigned*)(A + (g + 8) * lda + c);
+    const unsigned a2 = *(const unsigned*)(A + g * lda + c + 8);
+    const unsigned a3 = *(const unsigned*)(A + (g + 8) * lda + c + 8);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const bf16* Bh = B + (h * 8 + g) * ldb;
+        const unsigned b0 = *(const unsigned*)(Bh + c);
+        const unsigned b1 = *(const unsigned*)(Bh + c + 8);
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(acc[h * 4 + 0]), "+f"(acc[h * 4 + 1]), "+f"(acc[h * 4 + 2]), "+f"(acc[h * 4 + 3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+__device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 32) >> 2) + ((i & 2) ? 8 : 0); }
+__device__ __forceinline__ int mma_col(int i) { return (i >> 2) * 8 + (threadIdx.x % 4) * 2 + (i & 1); }
+
+#elif defined(ATLAS_HIP) && (defined(__gfx1100__) || defined(__gfx1101__) || defined(__gfx1102__) || \
+                             defined(__gfx1103__) || defined(__gfx1150__) || defined(__gfx1151__)) && \
+    __has_builtin(__builtin_amdgcn_wmma_f32_16x16x16_bf16_w32)
+#define MMA_ACC 8
+typedef short short16_t __attribute__((ext_vector_type(16)));
+typedef float float8_t __attribute__((ext_vector_type(8)));
+// Lane l holds row (l % 16) of A and of B, all 16 k; lanes 16-31 repeat lanes 0-15.
+__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
+    const int r = threadIdx.x % 16;
+    short16_t a, b;
+    float8_t c;
+#pragma unroll
+    for (int k = 0; k < 16; k++) {
+        a[k] = (short)A[r * lda + k];
+        b[k] = (short)B[r * ldb + k];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) c[i] = acc[i];
+    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, c);
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = c[i];
+}
+__device__ __forceinline__ int mma_row(int i) { return 2 * i + (threadIdx.x % 32) / 16; }
+__device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
+
+#elif defined(ATLAS_HIP) && (defined(__gfx1200__) || defined(__gfx1201__)) && \
+    __has_builtin(__builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12)
+#define MMA_ACC 8
+typedef short short8_t __attribute__((ext_vector_type(8)));
+typedef float float8_t __attribute__((ext_vector_type(8)));
+// Lane l holds row (l % 16) of A and of B, k = 8 * (l / 16) .. +7.
+__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
+    const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 32) / 16) * 8;
+    short8_t a, b;
+    float8_t c;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        a[k] = (short)A[r * lda + k0 + k];
+        b[k] = (short)B[r * ldb + k0 + k];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) c[i] = acc[i];
+    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(a, b, c);
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = c[i];
+}
+__device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 32) / 16) * 8 + i; }
+__device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
+
+#elif defined(ATLAS_HIP) && (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
+                             defined(__gfx942__) || defined(__gfx950__)) && \
+    __has_builtin(__builtin_amdgcn_mfma_f32_16x16x16bf16_1k)
+#define MMA_ACC 4
+typedef short short4_t __attribute__((ext_vector_type(4)));
+typedef float float4_t __attribute__((ext_vector_type(4)));
+// Lane l holds row (l % 16) of A and of B, k = 4 * (l / 16) .. +3.
+__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
+    const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 64) / 16) * 4;
+    short4_t a, b;
+    float4_t c;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        a[k] = (short)A[r * lda + k0 + k];
+        b[k] = (short)B[r * ldb + k0 + k];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] = acc[i];
+    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = c[i];
+}
+__device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 64) / 16) * 4 + i; }
+__device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
+
+#else
+#define MMA_ACC (256 / WARP_SIZE)
+// No matrix cores: lane l computes elements l, l + WARP_SIZE, ... of the tile.
+__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
+#pragma unroll
+    for (int i = 0; i < MMA_ACC; i++) {
+        const int e = threadIdx.x % WARP_SIZE + i * WARP_SIZE, r = e / 16, c = e % 16;
+        float s = 0.0f;
+        for (int k = 0; k < 16; k++) s += bf16_to_f32(A[r * lda + k]) * bf16_to_f32(B[c * ldb + k]);
+        acc[i] += s;
+    }
+}
+__device__ __forceinline__ int mma_row(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) / 16; }
+__device__ __forceinline__ int mma_col(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) % 16; }
+#endif
