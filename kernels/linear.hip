@@ -8,7 +8,9 @@
 // Decode, one token: one warp per output row, 16-byte weight loads (8 bf16 per lane), four in
 // flight per lane to keep the memory system busy. Launch: grid ceil(N / warps_per_block), block 256.
 // Needs K % 8 == 0.
-ATLAS_KERNEL void gemv1_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K) {
+// `residual` (may be y itself) is added to the result: the residual stream's update in one pass.
+ATLAS_KERNEL void gemv1_bf16(const bf16* W, const float* x, const float* bias, const float* residual, float* y, int N,
+                             int K) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (n >= N) return;
@@ -36,7 +38,7 @@ ATLAS_KERNEL void gemv1_bf16(const bf16* W, const float* x, const float* bias, f
         }
     }
     acc = warp_sum(acc);
-    if (lane == 0) y[n] = acc + (bias ? bias[n] : 0.0f);
+    if (lane == 0) y[n] = acc + (bias ? bias[n] : 0.0f) + (residual ? residual[n] : 0.0f);
 }
 
 // Decode, a few tokens (T <= GEMV_MAX_T): as gemv1, each W row read once for all T tokens.

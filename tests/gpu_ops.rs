@@ -85,6 +85,14 @@ fn elementwise_norm_and_rope() {
         g.rope(&mut x.gpu, &rope, start).unwrap();
         c.rope(&mut x.cpu, &rope, start).unwrap();
         check(&g, &x.gpu, &x.cpu, 1e-4, "rope");
+        // The fused q/k norm + rope, with and without the norm.
+        let w = pair(&g, 1, d, random(&mut rng, d, 1.5));
+        for norm in [Some(&w), None] {
+            let mut y = pair(&g, rows, heads * d, random(&mut rng, rows * heads * d, 2.0));
+            g.norm_rope(&mut y.gpu, norm.map(|n| &n.gpu), 1e-6, &rope, start).unwrap();
+            c.norm_rope(&mut y.cpu, norm.map(|n| &n.cpu), 1e-6, &rope, start).unwrap();
+            check(&g, &y.gpu, &y.cpu, 1e-4, "norm_rope");
+        }
     }
 }
 
@@ -111,6 +119,11 @@ fn embedding_linear_and_argmax() {
         // Decode keeps activations in f32; prefill feeds them to the matrix cores as bf16.
         let tol = if t <= 8 && k % 8 == 0 { 1e-4 } else { 1e-2 };
         check(&g, &got, &want, tol, &format!("linear T={t} N={n} K={k}"));
+        // The same product added into a residual stream.
+        let mut res = pair(&g, t, n, random(&mut rng, t * n, 1.0));
+        g.linear_add(&x.gpu, &gw, bias.as_ref().map(|b| &b.gpu), &mut res.gpu).unwrap();
+        c.add_assign(&mut res.cpu, &want).unwrap();
+        check(&g, &res.gpu, &res.cpu, tol, &format!("linear_add T={t} N={n} K={k}"));
     }
 
     let logits = random(&mut rng, 151_936, 5.0);

@@ -67,6 +67,26 @@ pub trait Backend: Send + Sync {
     /// The last row of `x` as a `[1, cols]` tensor.
     fn last_row(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
 
+    /// `residual += x · wᵀ (+ bias)`: a projection feeding the residual stream. Backends fuse it.
+    fn linear_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Tensor>,
+        residual: &mut Self::Tensor,
+    ) -> Result<()> {
+        let y = self.linear(x, w, bias)?;
+        self.add_assign(residual, &y)
+    }
+
+    /// Qwen3's per-head RMSNorm (when `norm` is given), then rotary embedding. Backends fuse it.
+    fn norm_rope(&self, x: &mut Self::Tensor, norm: Option<&Self::Tensor>, eps: f32, rope: &Rope, start_pos: usize) -> Result<()> {
+        if let Some(w) = norm {
+            *x = self.rms_norm(x, w, eps)?;
+        }
+        self.rope(x, rope, start_pos)
+    }
+
     /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
     /// backend supports it. `replay_decode` runs the recorded step for (token, pos) and returns its
     /// logits, or None when nothing is recorded.

@@ -150,19 +150,16 @@ impl<B: Backend> Qwen3<B> {
             let mut q = linear(&xn, &attn.q_proj)?; // [T, heads * head_dim]
             let mut k = linear(&xn, &attn.k_proj)?; // [T, kv_heads * head_dim]
             let v = linear(&xn, &attn.v_proj)?;
-            if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
-                q = b.rms_norm(&q, qn, c.rms_norm_eps)?;
-                k = b.rms_norm(&k, kn, c.rms_norm_eps)?;
-            }
-            b.rope(&mut q, &self.rope, start_pos)?;
-            b.rope(&mut k, &self.rope, start_pos)?;
+            b.norm_rope(&mut q, attn.q_norm.as_ref(), c.rms_norm_eps, &self.rope, start_pos)?;
+            b.norm_rope(&mut k, attn.k_norm.as_ref(), c.rms_norm_eps, &self.rope, start_pos)?;
             let o = b.attention(&q, &k, &v, kv, start_pos, shape)?; // [T, heads * head_dim]
-            b.add_assign(&mut x, &linear(&o, &attn.o_proj)?)?;
+            b.linear_add(&o, &attn.o_proj.weight, attn.o_proj.bias.as_ref(), &mut x)?; // x += o_proj(o)
 
             let xn = b.rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)?;
             let gate = linear(&xn, &layer.mlp.gate_proj)?; // [T, ffn]
             let up = linear(&xn, &layer.mlp.up_proj)?;
-            b.add_assign(&mut x, &linear(&b.silu_mul(&gate, &up)?, &layer.mlp.down_proj)?)?;
+            let down = &layer.mlp.down_proj;
+            b.linear_add(&b.silu_mul(&gate, &up)?, &down.weight, down.bias.as_ref(), &mut x)?;
         }
         let last = b.rms_norm(&b.last_row(&x)?, &self.norm, c.rms_norm_eps)?; // [1, H]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);

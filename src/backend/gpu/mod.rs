@@ -3,6 +3,7 @@
 //! cache bf16.
 
 pub mod cuda;
+pub mod hip;
 pub mod runtime;
 
 use std::sync::{Arc, Mutex};
@@ -15,15 +16,15 @@ use super::{AttentionShape, Backend, Rope};
 use crate::quant::QuantMatrix;
 use crate::{Error, Result};
 
-/// A device allocation, freed when dropped.
+/// A device allocation, freed when dropped; or a slice of the recording arena, which is not.
 pub struct DeviceBuffer {
     ptr: u64,
-    rt: Arc<dyn Runtime>,
+    rt: Option<Arc<dyn Runtime>>,
 }
 
 impl DeviceBuffer {
     fn new(rt: &Arc<dyn Runtime>, bytes: usize) -> Result<Self> {
-        Ok(DeviceBuffer { ptr: rt.alloc(bytes)?, rt: rt.clone() })
+        Ok(DeviceBuffer { ptr: rt.alloc(bytes)?, rt: Some(rt.clone()) })
     }
 
     pub fn ptr(&self) -> u64 {
@@ -33,7 +34,9 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        self.rt.free(self.ptr);
+        if let Some(rt) = &self.rt {
+            rt.free(self.ptr);
+        }
     }
 }
 
@@ -73,7 +76,15 @@ struct DecodeGraph {
     inputs: Option<DeviceBuffer>,
     logits: Option<GpuTensor>,
     exec: Option<u64>,
+    /// Temporaries of the recorded step come from this arena, so the graph holds kernels only,
+    /// no allocation nodes. Too small an arena still records (with allocation nodes) and is
+    /// resized for the next recording.
+    arena: Option<DeviceBuffer>,
+    arena_size: usize,
+    arena_used: usize,
 }
+
+const INITIAL_ARENA: usize = 64 << 20;
 
 const BLOCK: u32 = 256;
 const GEMV_MAX_T: usize = 8;
@@ -86,7 +97,15 @@ fn blocks(n: usize, per: u32) -> u32 {
 
 impl GpuBackend {
     pub fn new(rt: Arc<dyn Runtime>) -> Self {
-        let decode = DecodeGraph { recording: false, inputs: None, logits: None, exec: None };
+        let decode = DecodeGraph {
+            recording: false,
+            inputs: None,
+            logits: None,
+            exec: None,
+            arena: None,
+            arena_size: INITIAL_ARENA,
+            arena_used: 0,
+        };
         GpuBackend { rt, rope_table: Mutex::new(None), decode: Mutex::new(decode) }
     }
 
@@ -114,6 +133,43 @@ impl GpuBackend {
         Ok(ptr)
     }
 
+    /// Memory for a temporary: from the arena while recording, else from the stream's pool.
+    fn scratch(&self, bytes: usize) -> Result<DeviceBuffer> {
+        let mut d = self.decode_state();
+        if d.recording {
+            let start = d.arena_used.next_multiple_of(256);
+            d.arena_used = start + bytes;
+            if let Some(arena) = d.arena.as_ref().filter(|_| start + bytes <= d.arena_size) {
+                return Ok(DeviceBuffer { ptr: arena.ptr + start as u64, rt: None });
+            }
+        }
+        drop(d);
+        DeviceBuffer::new(&self.rt, bytes)
+    }
+
+    /// The rotary frequency table on the device, uploaded on first use.
+    fn rope_freqs(&self, rope: &Rope) -> Result<u64> {
+        let mut table = self.rope_table.lock().unwrap_or_else(|p| p.into_inner());
+        if table.as_ref().map_or(true, |(host, _)| *host != rope.inv_freq) {
+            *table = Some((rope.inv_freq.clone(), self.upload_f32(1, rope.inv_freq.len(), &rope.inv_freq)?));
+        }
+        Ok(table.as_ref().map_or(0, |(_, t)| t.buf.ptr))
+    }
+
+    /// One-token product `y = x · wᵀ (+ bias) (+ residual)`; `residual` may be `y` itself.
+    fn gemv1(&self, x: &GpuTensor, w: &GpuWeight, bias: Option<&GpuTensor>, residual: Option<u64>, y: u64) -> Result<()> {
+        let args = [
+            Arg::Ptr(w.buf.ptr),
+            Arg::Ptr(x.buf.ptr),
+            Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(residual.unwrap_or(0)),
+            Arg::Ptr(y),
+            Arg::I32(w.rows as i32),
+            Arg::I32(w.cols as i32),
+        ];
+        self.rt.launch("gemv1_bf16", [blocks(w.rows, BLOCK / 32), 1, 1], [BLOCK, 1, 1], 0, &args)
+    }
+
     fn forget_recording(&self) {
         let mut d = self.decode_state();
         if let Some(exec) = d.exec.take() {
@@ -126,17 +182,22 @@ impl GpuBackend {
         Ok(GpuBackend::new(Arc::new(cuda::CudaRuntime::new(0)?)))
     }
 
+    /// The first HIP (AMD) device.
+    pub fn hip() -> Result<Self> {
+        Ok(GpuBackend::new(Arc::new(hip::HipRuntime::new(0)?)))
+    }
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
         &self.rt
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<GpuTensor> {
-        Ok(GpuTensor { buf: DeviceBuffer::new(&self.rt, rows * cols * 4)?, rows, cols })
+        Ok(GpuTensor { buf: self.scratch(rows * cols * 4)?, rows, cols })
     }
 
+    /// A tensor that outlives any recording (weights, tables, test inputs): never from the arena.
     pub fn upload_f32(&self, rows: usize, cols: usize, data: &[f32]) -> Result<GpuTensor> {
-        let t = self.tensor(rows, cols)?;
+        let t = GpuTensor { buf: DeviceBuffer::new(&self.rt, rows * cols * 4)?, rows, cols };
         self.rt.upload(t.buf.ptr, as_bytes(data))?;
         Ok(t)
     }
@@ -282,7 +343,8 @@ impl Backend for GpuBackend {
         }
         let out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / group;
-        let threads = if group >= 256 { 256 } else { 64 };
+        // One float4 per thread where possible.
+        let threads = (group / 4).clamp(32, 1024).next_multiple_of(32) as u32;
         let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(weight.buf.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(group as i32), Arg::F32(eps)];
         if groups > 0 {
             self.rt.launch("rms_norm", [groups as u32, 1, 1], [threads, 1, 1], 0, &args)?;
@@ -310,7 +372,7 @@ impl Backend for GpuBackend {
         ];
         let rows_per_block = BLOCK / 32;
         if t == 1 && k % 8 == 0 {
-            self.rt.launch("gemv1_bf16", [blocks(n, rows_per_block), 1, 1], [BLOCK, 1, 1], 0, &args[..6])?;
+            self.gemv1(x, w, bias, None, y.buf.ptr)?;
         } else if t <= GEMV_MAX_T && k % 8 == 0 {
             self.rt.launch("gemv_bf16", [blocks(n, rows_per_block), 1, 1], [BLOCK, 1, 1], 0, &args)?;
         } else {
@@ -319,16 +381,41 @@ impl Backend for GpuBackend {
         Ok(y)
     }
 
+    fn linear_add(&self, x: &GpuTensor, w: &GpuWeight, bias: Option<&GpuTensor>, residual: &mut GpuTensor) -> Result<()> {
+        if x.rows == 1 && w.cols % 8 == 0 && x.cols == w.cols && (residual.rows, residual.cols) == (1, w.rows) {
+            let out = residual.buf.ptr;
+            return self.gemv1(x, w, bias, Some(out), out);
+        }
+        let y = self.linear(x, w, bias)?;
+        self.add_assign(residual, &y)
+    }
+
+    fn norm_rope(&self, x: &mut GpuTensor, norm: Option<&GpuTensor>, eps: f32, rope: &Rope, start_pos: usize) -> Result<()> {
+        let d = rope.head_dim;
+        if x.cols % d != 0 || rope.inv_freq.len() != d / 2 || norm.is_some_and(|w| w.cols != d) || d > 2048 {
+            return Err(Error::InvalidArgument(format!("norm_rope: width {} and head_dim {d} disagree", x.cols)));
+        }
+        let freqs = self.rope_freqs(rope)?;
+        let pos_dev = self.recorded_inputs().map_or(0, |p| p + 4);
+        let args = [
+            Arg::Ptr(x.buf.ptr),
+            Arg::Ptr(norm.map_or(0, |w| w.buf.ptr)),
+            Arg::F32(eps),
+            Arg::Ptr(freqs),
+            Arg::I32(start_pos as i32),
+            Arg::Ptr(pos_dev),
+            Arg::I32(d as i32),
+        ];
+        let threads = (d / 2).next_multiple_of(32) as u32;
+        self.rt.launch("norm_rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], 0, &args)
+    }
+
     fn rope(&self, x: &mut GpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
         if x.cols % d != 0 || rope.inv_freq.len() != d / 2 {
             return Err(Error::InvalidArgument(format!("rope: width {} and head_dim {d} disagree", x.cols)));
         }
-        let mut table = self.rope_table.lock().unwrap_or_else(|p| p.into_inner());
-        if table.as_ref().map_or(true, |(host, _)| *host != rope.inv_freq) {
-            *table = Some((rope.inv_freq.clone(), self.upload_f32(1, d / 2, &rope.inv_freq)?));
-        }
-        let freqs = table.as_ref().map_or(0, |(_, t)| t.buf.ptr);
+        let freqs = self.rope_freqs(rope)?;
         let pos_dev = self.recorded_inputs().map_or(0, |p| p + 4);
         let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(freqs), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(d as i32)];
         let threads = (d / 2).next_multiple_of(32) as u32;
@@ -365,7 +452,7 @@ impl Backend for GpuBackend {
         // A recording must fit every later position: it covers the whole cache.
         let longest = if recorded.is_some() { cache.capacity } else { start_pos + t };
         let splits = longest.div_ceil(ATTENTION_CHUNK);
-        let partial = DeviceBuffer::new(&self.rt, t * num_heads * splits * (d + 2) * 4)?;
+        let partial = self.scratch(t * num_heads * splits * (d + 2) * 4)?;
         let scale = 1.0 / (d as f32).sqrt();
         let args = [
             Arg::Ptr(q.buf.ptr),
@@ -430,8 +517,16 @@ impl Backend for GpuBackend {
     ) -> Result<Option<Vec<f32>>> {
         self.forget_recording();
         // The output lives outside the graph: the graph ends by copying the logits into it.
-        let logits = self.tensor(1, vocab)?;
+        let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, vocab * 4)?, rows: 1, cols: vocab };
         self.set_inputs(token, pos)?;
+        {
+            let mut d = self.decode_state();
+            if d.arena.is_none() {
+                let size = d.arena_size;
+                d.arena = Some(DeviceBuffer::new(&self.rt, size)?);
+            }
+            d.arena_used = 0;
+        }
         if self.rt.begin_capture().is_err() {
             return Ok(None);
         }
@@ -458,8 +553,15 @@ impl Backend for GpuBackend {
         self.rt.launch_graph(exec)?;
         let host = self.to_host(&logits)?;
         let mut d = self.decode_state();
-        d.exec = Some(exec);
         d.logits = Some(logits);
+        if d.arena_used > d.arena_size {
+            // Record again next step, with room for every temporary.
+            d.arena_size = d.arena_used + d.arena_used / 4;
+            d.arena = None;
+            self.rt.destroy_graph(exec);
+        } else {
+            d.exec = Some(exec);
+        }
         Ok(Some(host))
     }
 }
