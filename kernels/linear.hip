@@ -41,6 +41,47 @@ ATLAS_KERNEL void gemv1_bf16(const bf16* W, const float* x, const float* bias, c
     if (lane == 0) y[n] = acc + (bias ? bias[n] : 0.0f) + (residual ? residual[n] : 0.0f);
 }
 
+// Decode, one token, the gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]).
+// One warp per n reads both rows; same launch shape as gemv1_bf16.
+ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* G, const bf16* U, const float* x, const float* gate_bias,
+                                     const float* up_bias, float* out, int N, int K) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (n >= N) return;
+    const uint4* grow = (const uint4*)(G + (long)n * K);
+    const uint4* urow = (const uint4*)(U + (long)n * K);
+    const float4* xv = (const float4*)x;
+    const int chunks = K / 8;
+    float g = 0.0f, u = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += 2 * WARP_SIZE) {
+        uint4 pg[2], pu[2];
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int c = c0 + k * WARP_SIZE;
+            pg[k] = c < chunks ? grow[c] : make_uint4(0, 0, 0, 0);
+            pu[k] = c < chunks ? urow[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int c = c0 + k * WARP_SIZE;
+            if (c < chunks) {
+                const float4 a = xv[2 * c], b = xv[2 * c + 1];
+                const float xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                const unsigned int gw[4] = {pg[k].x, pg[k].y, pg[k].z, pg[k].w};
+                const unsigned int uw[4] = {pu[k].x, pu[k].y, pu[k].z, pu[k].w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    g += __uint_as_float(gw[j] << 16) * xs[2 * j] + __uint_as_float(gw[j] & 0xffff0000u) * xs[2 * j + 1];
+                    u += __uint_as_float(uw[j] << 16) * xs[2 * j] + __uint_as_float(uw[j] & 0xffff0000u) * xs[2 * j + 1];
+                }
+            }
+        }
+    }
+    g = warp_sum(g) + (gate_bias ? gate_bias[n] : 0.0f);
+    u = warp_sum(u) + (up_bias ? up_bias[n] : 0.0f);
+    if (lane == 0) out[n] = g / (1.0f + expf(-g)) * u;
+}
+
 // Decode, a few tokens (T <= GEMV_MAX_T): as gemv1, each W row read once for all T tokens.
 ATLAS_KERNEL void gemv_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K, int T) {
     const int lane = threadIdx.x % WARP_SIZE;

@@ -126,6 +126,19 @@ fn embedding_linear_and_argmax() {
         check(&g, &res.gpu, &res.cpu, tol, &format!("linear_add T={t} N={n} K={k}"));
     }
 
+    // The fused gated-MLP half against the CPU's composition, decode (fused) and prefill shapes.
+    for (t, n, k) in [(1, 1000, 512), (1, 96, 64), (5, 64, 128)] {
+        let (gw, uw) = (bf16_matrix(&mut rng, n, k), bf16_matrix(&mut rng, n, k));
+        let x = pair(&g, t, k, random(&mut rng, t * k, 1.0));
+        let gb = pair(&g, 1, n, random(&mut rng, n, 0.5));
+        let want = c
+            .silu_gate_up(&x.cpu, &(Box::new(gw.clone()) as Box<dyn QuantMatrix>), Some(&gb.cpu), &(Box::new(uw.clone()) as Box<dyn QuantMatrix>), None)
+            .unwrap();
+        let (ggw, guw) = (g.upload_weight(Box::new(gw)).unwrap(), g.upload_weight(Box::new(uw)).unwrap());
+        let got = g.silu_gate_up(&x.gpu, &ggw, Some(&gb.gpu), &guw, None).unwrap();
+        check(&g, &got, &want, 1e-4, &format!("silu_gate_up T={t} N={n} K={k}"));
+    }
+
     let logits = random(&mut rng, 151_936, 5.0);
     let best = atlas::sampling::argmax(&logits);
     let t = g.upload_f32(1, logits.len(), &logits).unwrap();

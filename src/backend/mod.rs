@@ -79,6 +79,20 @@ pub trait Backend: Send + Sync {
         self.add_assign(residual, &y)
     }
 
+    /// The gated MLP's first half: `silu(x · gateᵀ + gate_bias) * (x · upᵀ + up_bias)`. Backends fuse it.
+    fn silu_gate_up(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        gate_bias: Option<&Self::Tensor>,
+        up: &Self::Weight,
+        up_bias: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        let g = self.linear(x, gate, gate_bias)?;
+        let u = self.linear(x, up, up_bias)?;
+        self.silu_mul(&g, &u)
+    }
+
     /// Qwen3's per-head RMSNorm (when `norm` is given), then rotary embedding. Backends fuse it.
     fn norm_rope(&self, x: &mut Self::Tensor, norm: Option<&Self::Tensor>, eps: f32, rope: &Rope, start_pos: usize) -> Result<()> {
         if let Some(w) = norm {

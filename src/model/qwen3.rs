@@ -156,10 +156,9 @@ impl<B: Backend> Qwen3<B> {
             b.linear_add(&o, &attn.o_proj.weight, attn.o_proj.bias.as_ref(), &mut x)?; // x += o_proj(o)
 
             let xn = b.rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)?;
-            let gate = linear(&xn, &layer.mlp.gate_proj)?; // [T, ffn]
-            let up = linear(&xn, &layer.mlp.up_proj)?;
-            let down = &layer.mlp.down_proj;
-            b.linear_add(&b.silu_mul(&gate, &up)?, &down.weight, down.bias.as_ref(), &mut x)?;
+            let (gate, up, down) = (&layer.mlp.gate_proj, &layer.mlp.up_proj, &layer.mlp.down_proj);
+            let h = b.silu_gate_up(&xn, &gate.weight, gate.bias.as_ref(), &up.weight, up.bias.as_ref())?; // [T, ffn]
+            b.linear_add(&h, &down.weight, down.bias.as_ref(), &mut x)?; // x += down_proj(h)
         }
         let last = b.rms_norm(&b.last_row(&x)?, &self.norm, c.rms_norm_eps)?; // [1, H]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);

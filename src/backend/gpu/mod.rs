@@ -390,6 +390,35 @@ impl Backend for GpuBackend {
         self.add_assign(residual, &y)
     }
 
+    fn silu_gate_up(
+        &self,
+        x: &GpuTensor,
+        gate: &GpuWeight,
+        gate_bias: Option<&GpuTensor>,
+        up: &GpuWeight,
+        up_bias: Option<&GpuTensor>,
+    ) -> Result<GpuTensor> {
+        let fusable = x.rows == 1 && gate.cols % 8 == 0 && x.cols == gate.cols && (up.rows, up.cols) == (gate.rows, gate.cols);
+        if !fusable {
+            let g = self.linear(x, gate, gate_bias)?;
+            let u = self.linear(x, up, up_bias)?;
+            return self.silu_mul(&g, &u);
+        }
+        let out = self.tensor(1, gate.rows)?;
+        let args = [
+            Arg::Ptr(gate.buf.ptr),
+            Arg::Ptr(up.buf.ptr),
+            Arg::Ptr(x.buf.ptr),
+            Arg::Ptr(gate_bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(up_bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(out.buf.ptr),
+            Arg::I32(gate.rows as i32),
+            Arg::I32(gate.cols as i32),
+        ];
+        self.rt.launch("gemv1_gate_up_bf16", [blocks(gate.rows, BLOCK / 32), 1, 1], [BLOCK, 1, 1], 0, &args)?;
+        Ok(out)
+    }
+
     fn norm_rope(&self, x: &mut GpuTensor, norm: Option<&GpuTensor>, eps: f32, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
         if x.cols % d != 0 || rope.inv_freq.len() != d / 2 || norm.is_some_and(|w| w.cols != d) || d > 2048 {
