@@ -119,23 +119,23 @@ ATLAS_KERNEL void attention_combine(const float* partial, float* out, int head_d
     if (d < head_dim) out[((long)t * heads + h) * head_dim + d] = a / L;
 }
 
-// Decode (one query row) fast path, same partial layout and combine as above. Scores are computed
-// with one position per lane (each lane reads its key row with 16-byte loads), then the values are
-// accumulated with the lanes spread over the dimensions, so both phases keep many loads in flight.
-// head_dim a multiple of 8 and of WARP_SIZE, at most 256. Launch: grid (heads, 1, splits),
-// block 128, dynamic shared memory none.
-ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* vc, float* partial, int start_pos,
+// The fast path for regular head sizes, same partial layout and combine as above. Scores are
+// computed with one position per lane (each lane reads its key row with 16-byte loads), then the
+// values are accumulated with the lanes spread over the dimensions, so both phases keep many loads
+// in flight. head_dim a multiple of 8 and of WARP_SIZE, at most 256. Launch: grid (heads, T,
+// splits), block 128.
+ATLAS_KERNEL void attention_partial_wide(const float* q, const bf16* kc, const bf16* vc, float* partial, int start_pos,
                                    const int* pos_dev, int kv_heads, int head_dim, float scale, int chunk) {
     __shared__ float qs[256];
     __shared__ float wm[32], wl[32];
     __shared__ float wacc[32][256];
     if (pos_dev) start_pos = *pos_dev;
-    const int h = blockIdx.x, split = blockIdx.z, heads = gridDim.x, splits = gridDim.z;
+    const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, heads = gridDim.x, splits = gridDim.z;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const int kvh = h / (heads / kv_heads), width = kv_heads * head_dim;
-    const int visible = start_pos + 1;
+    const int visible = start_pos + t + 1;
     const int begin = split * chunk, end = min(visible, begin + chunk);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[(long)h * head_dim + d] * scale;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[((long)t * heads + h) * head_dim + d] * scale;
     __syncthreads();
 
     const int per_lane = head_dim / WARP_SIZE;  // value dimensions per lane (>= 1 when head_dim >= WARP_SIZE)
@@ -191,7 +191,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     for (int i = 0; i < MAX_DIMS_PER_LANE; i++)
         if (i < per_lane) wacc[warp][lane * per_lane + i] = acc[i];
     __syncthreads();
-    float* dst = partial + ((long)h * splits + split) * (head_dim + 2);
+    float* dst = partial + (((long)t * heads + h) * splits + split) * (head_dim + 2);
     float M = NEG_INF;
     for (int w = 0; w < warps; w++) M = fmaxf(M, wm[w]);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {

@@ -5,8 +5,15 @@
 
 #if defined(__HIPCC__) || defined(__HIPCC_RTC__) || defined(__HIP_DEVICE_COMPILE__)
 #define ATLAS_HIP 1
-// Wave64 on CDNA (gfx9), wave32 on RDNA (gfx10+) as HIP compiles by default.
+// Wave64 on CDNA (gfx9), wave32 on RDNA (gfx10+) as HIP compiles by default. ROCm 7.2's compiler
+// no longer defines __AMDGCN_WAVEFRONT_SIZE (deprecated since 6.3): then the family macros tell.
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
 #define WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#elif defined(__GFX10__) || defined(__GFX11__) || defined(__GFX12__)
+#define WARP_SIZE 32
+#else
+#define WARP_SIZE 64
+#endif
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor(v, mask); }
 __device__ __forceinline__ float shfl(float v, int src_lane) { return __shfl(v, src_lane); }
 #else

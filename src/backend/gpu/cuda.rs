@@ -27,7 +27,7 @@ unsafe impl Sync for CudaRuntime {}
 
 pub(crate) const KERNELS: [&str; 16] = [
     "silu_mul", "add_inplace", "embed_bf16", "fill_random_bf16", "rms_norm", "norm_rope", "rope", "gemv1_bf16", "gemv1_gate_up_bf16", "gemv_bf16", "gemm_bf16",
-    "kv_append", "attention_partial", "attention_decode", "attention_combine", "argmax",
+    "kv_append", "attention_partial", "attention_partial_wide", "attention_combine", "argmax",
 ];
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {

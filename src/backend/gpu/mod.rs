@@ -495,8 +495,8 @@ impl Backend for GpuBackend {
             Arg::F32(scale),
             Arg::I32(ATTENTION_CHUNK as i32),
         ];
-        // One query row with a regular head size takes the decode kernel (lanes over positions).
-        let kernel = if t == 1 && d % 8 == 0 && d % 64 == 0 { "attention_decode" } else { "attention_partial" };
+        // Regular head sizes take the kernel with lanes over positions; others the general one.
+        let kernel = if d % 64 == 0 { "attention_partial_wide" } else { "attention_partial" };
         self.rt.launch(kernel, [num_heads as u32, t as u32, splits as u32], [128, 1, 1], 0, &args)?;
         let out = self.tensor(t, num_heads * d)?;
         let args = [Arg::Ptr(partial.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(d as i32), Arg::I32(splits as i32)];
