@@ -9,7 +9,7 @@ use std::time::Instant;
 pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::gpu::{cuda, GpuBackend};
+use crate::backend::gpu::{cuda, hip, GpuBackend};
 use crate::chat::ChatTemplate;
 use crate::gguf::GgufStore;
 use crate::model::safetensors::SafetensorsStore;
@@ -485,14 +485,19 @@ fn bind(
     match opts.device {
         Device::Cpu => cpu(config, progress),
         Device::Cuda => Ok(Box::new(Bound::load(GpuBackend::cuda()?, config, store, ctx_size, progress)?)),
-        Device::Hip => Err(Error::Unsupported(
-            "device hip: the HIP runtime is not part of this build yet (use cuda or cpu)".into(),
-        )),
-        // A GPU when one answers, else the CPU; the load report says which.
-        Device::Auto => match cuda::available().then(GpuBackend::cuda) {
-            Some(Ok(gpu)) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
-            _ => cpu(config, progress),
-        },
+        Device::Hip => Ok(Box::new(Bound::load(GpuBackend::hip()?, config, store, ctx_size, progress)?)),
+        // An AMD GPU, else an NVIDIA one, else the CPU; the load report says which. A runtime whose
+        // library opens but finds no device just means "try the next one".
+        Device::Auto => {
+            let gpu = match hip::available().then(GpuBackend::hip) {
+                Some(Ok(gpu)) => Some(gpu),
+                _ => cuda::available().then(GpuBackend::cuda).and_then(Result::ok),
+            };
+            match gpu {
+                Some(gpu) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
+                None => cpu(config, progress),
+            }
+        }
     }
 }
 

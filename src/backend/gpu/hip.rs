@@ -452,6 +452,7 @@ pub struct HipRuntime {
     functions: HashMap<String, Function>,
     allocator: Mutex<Allocator>,
     graphs: bool,
+    warp_size: u32,
     description: String,
 }
 
@@ -534,14 +535,16 @@ impl HipRuntime {
                 functions.insert(kernel.to_string(), f);
             }
             let cus = api.attribute(ATTR_MULTIPROCESSOR_COUNT, device).unwrap_or(0);
-            let wave = api.attribute(ATTR_WARP_SIZE, device).unwrap_or(0);
+            // Kernels are compiled with the compiler's default: wave64 on gfx9 (CDNA), wave32 after.
+            let wave = api.attribute(ATTR_WARP_SIZE, device).unwrap_or(if arch.starts_with("gfx9") { 64 } else { 32 });
             let description = format!(
                 "hip {name} ({arch}, {cus} CUs, wave{wave}, HIP {}, {} memory, kernels {cache_state})",
                 version_string(api.version),
                 if pool { "pooled" } else { "cached" }
             );
             let allocator = if pool { Allocator::Pool } else { Allocator::Cache { free: HashMap::new(), live: HashMap::new() } };
-            Ok(HipRuntime { api, device, stream, module, functions, allocator: Mutex::new(allocator), graphs, description })
+            let warp_size = wave.max(1) as u32;
+            Ok(HipRuntime { api, device, stream, module, functions, allocator: Mutex::new(allocator), graphs, warp_size, description })
         }
     }
 
@@ -658,6 +661,11 @@ fn compile(api: &Api, source: &str, arch: &str, options: &[String]) -> Result<Ve
 impl Runtime for HipRuntime {
     fn describe(&self) -> String {
         self.description.clone()
+    }
+
+    /// 64 on CDNA (gfx9), 32 on RDNA.
+    fn warp_size(&self) -> u32 {
+        self.warp_size
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {

@@ -167,7 +167,7 @@ impl GpuBackend {
             Arg::I32(w.rows as i32),
             Arg::I32(w.cols as i32),
         ];
-        self.rt.launch("gemv1_bf16", [blocks(w.rows, BLOCK / 32), 1, 1], [BLOCK, 1, 1], 0, &args)
+        self.rt.launch("gemv1_bf16", [blocks(w.rows, BLOCK / self.rt.warp_size()), 1, 1], [BLOCK, 1, 1], 0, &args)
     }
 
     fn forget_recording(&self) {
@@ -344,7 +344,8 @@ impl Backend for GpuBackend {
         let out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / group;
         // One float4 per thread where possible.
-        let threads = (group / 4).clamp(32, 1024).next_multiple_of(32) as u32;
+        let warp = self.rt.warp_size() as usize;
+        let threads = (group / 4).clamp(warp, 1024).next_multiple_of(warp) as u32;
         let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(weight.buf.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(group as i32), Arg::F32(eps)];
         if groups > 0 {
             self.rt.launch("rms_norm", [groups as u32, 1, 1], [threads, 1, 1], 0, &args)?;
@@ -370,7 +371,7 @@ impl Backend for GpuBackend {
             Arg::I32(k as i32),
             Arg::I32(t as i32),
         ];
-        let rows_per_block = BLOCK / 32;
+        let rows_per_block = BLOCK / self.rt.warp_size();
         if t == 1 && k % 8 == 0 {
             self.gemv1(x, w, bias, None, y.buf.ptr)?;
         } else if t <= GEMV_MAX_T && k % 8 == 0 {
@@ -415,7 +416,7 @@ impl Backend for GpuBackend {
             Arg::I32(gate.rows as i32),
             Arg::I32(gate.cols as i32),
         ];
-        self.rt.launch("gemv1_gate_up_bf16", [blocks(gate.rows, BLOCK / 32), 1, 1], [BLOCK, 1, 1], 0, &args)?;
+        self.rt.launch("gemv1_gate_up_bf16", [blocks(gate.rows, BLOCK / self.rt.warp_size()), 1, 1], [BLOCK, 1, 1], 0, &args)?;
         Ok(out)
     }
 
@@ -435,7 +436,7 @@ impl Backend for GpuBackend {
             Arg::Ptr(pos_dev),
             Arg::I32(d as i32),
         ];
-        let threads = (d / 2).next_multiple_of(32) as u32;
+        let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
         self.rt.launch("norm_rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], 0, &args)
     }
 

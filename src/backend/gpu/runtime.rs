@@ -17,6 +17,10 @@ pub enum Arg {
 pub trait Runtime: Send + Sync {
     /// Device name, architecture and kernel-cache state, for load reports.
     fn describe(&self) -> String;
+    /// Lanes per warp (wavefront): 32 on NVIDIA and RDNA, 64 on CDNA. Launch shapes depend on it.
+    fn warp_size(&self) -> u32 {
+        32
+    }
     /// Device memory, ordered on the stream (valid for work queued after this call).
     fn alloc(&self, bytes: usize) -> Result<u64>;
     /// Frees after the work queued so far.
