@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, sys, CudaContext};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use super::runtime::{fnv1a, kernel_cache_dir, kernel_source, Arg, Runtime};
+use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, store_in_cache, Arg, Runtime};
 use crate::{Error, Result};
 
 pub struct CudaRuntime {
@@ -107,13 +107,7 @@ fn compiled_kernels(arch: &str) -> Result<(Vec<u8>, &'static str)> {
         nvrtc::destroy_program(prog).ok();
         buf
     };
-    // The cache is an optimisation: a read-only home directory just means compiling next time too.
-    if std::fs::create_dir_all(kernel_cache_dir()).is_ok() {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
-    }
+    store_in_cache(&path, &cubin);
     Ok((cubin, "compiled"))
 }
 
@@ -162,16 +156,7 @@ impl Runtime for CudaRuntime {
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
         self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
-        let mut slots: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) | Arg::U64(p) => p,
-                Arg::I64(v) => v as u64,
-                Arg::I32(v) => u64::from(v as u32),
-                Arg::F32(v) => u64::from(v.to_bits()),
-            })
-            .collect();
-        // Each parameter points at its 8-byte slot; 4-byte ones read the low half (little-endian).
+        let mut slots = arg_slots(args);
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
         // SAFETY: the argument list matches the kernel's signature (checked by the GPU op tests).
         unsafe {

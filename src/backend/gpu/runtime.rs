@@ -14,6 +14,31 @@ pub enum Arg {
     F32(f32),
 }
 
+/// Each argument in an 8-byte slot, as the launch APIs want a pointer per parameter: the runtime
+/// copies as many bytes as the kernel's parameter has, so 4-byte ones read the low half
+/// (little-endian).
+pub fn arg_slots(args: &[Arg]) -> Vec<u64> {
+    args.iter()
+        .map(|a| match *a {
+            Arg::Ptr(p) | Arg::U64(p) => p,
+            Arg::I64(v) => v as u64,
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::F32(v) => u64::from(v.to_bits()),
+        })
+        .collect()
+}
+
+/// Keeps a compiled code object for next time. The cache is an optimisation: a read-only home
+/// directory just means compiling again next time.
+pub fn store_in_cache(path: &std::path::Path, code: &[u8]) {
+    if std::fs::create_dir_all(kernel_cache_dir()).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, code).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+}
+
 pub trait Runtime: Send + Sync {
     /// Device name, architecture and kernel-cache state, for load reports.
     fn describe(&self) -> String;
