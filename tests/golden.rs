@@ -8,7 +8,7 @@ use atlas::sampling::SamplingParams;
 use atlas::{Device, Engine, EngineOptions, GenerateRequest};
 use serde_json::Value;
 
-const MODELS: [&str; 3] = ["qwen3_tied", "qwen3_untied_gqa", "llama"];
+const MODELS: [&str; 4] = ["qwen3_tied", "qwen3_untied_gqa", "llama", "qwen3_fp8"];
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)

@@ -181,7 +181,8 @@ fn fixture_models_match_the_cpu() {
     if gpu().is_none() {
         return;
     }
-    for name in ["qwen3_tied", "qwen3_untied_gqa", "llama"] {
+    // The FP8 fixture's greedy margins are below bf16 rounding (its weights are coarse): logits only.
+    for (name, check_greedy) in [("qwen3_tied", true), ("qwen3_untied_gqa", true), ("llama", true), ("qwen3_fp8", false)] {
         let golden: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(fixture(name).join("golden.json")).unwrap()).unwrap();
         let ids = |k: &str| -> Vec<u32> { golden[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
@@ -203,7 +204,9 @@ fn fixture_models_match_the_cpu() {
         };
         // Decode steps after the first are replays of a recorded graph: same tokens as transformers.
         let gen = on_gpu.generate_raw(&req).unwrap();
-        assert_eq!(gen.tokens, ids("greedy"), "{name}: greedy tokens on the GPU");
+        if check_greedy {
+            assert_eq!(gen.tokens, ids("greedy"), "{name}: greedy tokens on the GPU");
+        }
         // And a replayed step's logits match the CPU's at the same position.
         let mut history = ids("tokens");
         history.extend_from_slice(&gen.tokens[..15]);

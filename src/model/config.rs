@@ -94,6 +94,16 @@ impl ModelConfig {
         if act != "silu" {
             return Err(Error::Unsupported(format!("hidden_act {act:?} (only silu)")));
         }
+        if let Some(q) = json.get("quantization_config").filter(|q| !q.is_null()) {
+            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+            let block = q.get("weight_block_size").and_then(Value::as_array);
+            let block_ok = block.map_or(true, |b| b.iter().all(|v| v.as_u64() == Some(128)));
+            if method != "fp8" || !block_ok {
+                return Err(Error::Unsupported(format!(
+                    "quantization_config {q} (supported: quant_method fp8 with 128x128 weight blocks)"
+                )));
+            }
+        }
         if json.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
             return Err(Error::Unsupported("use_sliding_window = true".into()));
         }
@@ -221,6 +231,17 @@ mod tests {
         j.as_object_mut().unwrap().remove("rope_theta");
         j["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 5000.0});
         assert_eq!(ModelConfig::from_json(&j).unwrap().rope_theta, 5000.0);
+    }
+
+    #[test]
+    fn fp8_block_quantization_is_accepted_others_are_refused() {
+        let mut j = qwen3();
+        j["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [128, 128]});
+        assert!(ModelConfig::from_json(&j).is_ok());
+        j["quantization_config"] = json!({"quant_method": "gptq", "bits": 4});
+        assert!(matches!(ModelConfig::from_json(&j), Err(Error::Unsupported(m)) if m.contains("gptq")));
+        j["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [64, 64]});
+        assert!(ModelConfig::from_json(&j).is_err());
     }
 
     #[test]

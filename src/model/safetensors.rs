@@ -9,6 +9,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use super::weights::WeightSource;
+use crate::quant::fp8::{Fp8BlockMatrix, FP8_BLOCK};
 use crate::quant::{DType, DenseMatrix, QuantMatrix};
 use crate::{Error, Result};
 
@@ -103,15 +104,36 @@ impl SafetensorsStore {
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
             other => {
-                return Err(Error::bad_tensor(name, format!("dtype {other:?} is not supported (f32, f16, bf16)")))
+                return Err(Error::bad_tensor(name, format!("dtype {other:?} is not supported (f32, f16, bf16; F8_E4M3 for block-scaled weights)")))
             }
         };
         Ok((entry, dtype))
     }
 }
 
+impl SafetensorsStore {
+    /// An FP8 block-scaled weight: E4M3 values and `<name>_scale_inv` of one f32/bf16 scale per
+    /// 128×128 block.
+    fn fp8_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
+        let entry = self.entry(name)?;
+        if entry.shape != [rows, cols] {
+            return Err(Error::bad_tensor(name, format!("shape {:?}, expected {:?}", entry.shape, [rows, cols])));
+        }
+        let scale_name = format!("{name}_scale_inv");
+        let grid = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
+        let (scale_entry, scale_dtype) = self.checked(&scale_name, &grid)?;
+        let scales = DenseMatrix::from_le_bytes(1, grid[0] * grid[1], scale_dtype, self.bytes(scale_entry));
+        let mut scale_values = vec![0f32; grid[0] * grid[1]];
+        scales.dequant_row(0, &mut scale_values);
+        Ok(Box::new(Fp8BlockMatrix::new(rows, cols, self.bytes(entry).to_vec(), scale_values)))
+    }
+}
+
 impl WeightSource for SafetensorsStore {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
+        if self.entry(name)?.dtype == Dtype::F8_E4M3 {
+            return self.fp8_matrix(name, rows, cols);
+        }
         let (entry, dtype) = self.checked(name, &[rows, cols])?;
         Ok(Box::new(DenseMatrix::from_le_bytes(rows, cols, dtype, self.bytes(entry))))
     }

@@ -3,6 +3,7 @@
 //! backend builds its products on that one method, so a new format needs only its dequantisation.
 
 mod dense;
+pub mod fp8;
 mod ggml;
 pub mod synthetic;
 
@@ -16,6 +17,8 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// FP8 E4M3 with a scale per 128×128 block.
+    F8E4M3,
     /// GGML block formats (GGUF files), see [`GgmlFormat`].
     Q8_0,
     Q4_0,
@@ -31,6 +34,7 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::F8E4M3 => "fp8_e4m3",
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
