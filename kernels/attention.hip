@@ -34,7 +34,7 @@ ATLAS_KERNEL void attention_partial(const float* q, const bf16* kc, const bf16* 
     __shared__ float wm[32], wl[32];
     __shared__ float wacc[32][256];
     const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
-    const int heads = gridDim.x, T = gridDim.y, splits = gridDim.z;
+    const int heads = gridDim.x, splits = gridDim.z;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const int kvh = h / (heads / kv_heads);
     const int width = kv_heads * head_dim;
@@ -98,7 +98,6 @@ ATLAS_KERNEL void attention_partial(const float* q, const bf16* kc, const bf16* 
         dst[0] = M;
         dst[1] = L;
     }
-    (void)T;
 }
 
 ATLAS_KERNEL void attention_combine(const float* partial, float* out, int head_dim, int splits) {

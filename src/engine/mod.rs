@@ -347,8 +347,7 @@ impl Engine {
             if emit(&mut stops, &tail, &mut out.text, on_text)? {
                 out.finish_reason = FinishReason::Stop;
             } else {
-                let held = stops.flush();
-                emit(&mut StopMatcher::new(Vec::new()), &held, &mut out.text, on_text)?;
+                release(&stops.flush(), &mut out.text, on_text)?;
             }
         }
         out.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
@@ -377,11 +376,17 @@ fn emit(stops: &mut StopMatcher, piece: &str, text: &mut String, on_text: &mut d
         StopOutcome::Continue(t) => (t, false),
         StopOutcome::Stopped(t) => (t, true),
     };
-    text.push_str(&released);
-    if !released.is_empty() && !on_text(&released) {
+    release(&released, text, on_text)?;
+    Ok(stopped)
+}
+
+/// Appends `piece` to the answer and streams it; a false from `on_text` cancels.
+fn release(piece: &str, text: &mut String, on_text: &mut dyn FnMut(&str) -> bool) -> Result<()> {
+    text.push_str(piece);
+    if !piece.is_empty() && !on_text(piece) {
         return Err(Error::Cancelled);
     }
-    Ok(stopped)
+    Ok(())
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
