@@ -1,19 +1,11 @@
-// Causal attention with grouped key/value heads over a bf16 KV cache.
+// Decode attention over the bf16 KV cache (prefill attention is in flash_attention.hip).
 //
 // kv_append: writes k, v ([T, kv_width] f32) into the caches ([capacity, kv_width] bf16) at rows
-// start_pos..start_pos+T. Launch: grid (ceil(kv_width/256), T), block 256.
+// start_pos..start_pos+T. Launch: grid (ceil(kv_width/256), T), block 256. (Model layers append
+// inside qkv_rope_append, norm.hip; this is the plain form.)
 //
 // `pos_dev`, when not null, holds start_pos on the device (recorded decode steps read it there;
-// their grids cover the whole cache and chunks past the visible positions contribute nothing).
-//
-// attention_partial / attention_combine (split-K "flash decoding"): query row t (position
-// start_pos + t) of head h attends to positions 0..start_pos+t. The positions are cut into
-// `splits` chunks; each block takes one (head, t, chunk) and keeps an online softmax (running max,
-// sum, weighted V) per warp, merges its warps, and writes (max, sum, acc[head_dim]) for the chunk.
-// attention_combine merges the chunks in a fixed order. Layout: q [T, heads*head_dim] f32,
-// partial [T, heads, splits, head_dim + 2] f32, out [T, heads*head_dim] f32. head_dim <= 256; lane
-// l of a warp owns dimensions l, l + WARP_SIZE, ... Launch: partial grid (heads, T, splits), block 128; combine grid
-// (heads, T), block head_dim.
+// their grids cover the whole cache and splits past the visible positions contribute nothing).
 #include "common/portable.h"
 
 ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, int start_pos, const int* pos_dev,
@@ -26,184 +18,169 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
     vc[dst] = f32_to_bf16(v[(long)t * width + c]);
 }
 
-#define MAX_DIMS_PER_LANE (256 / WARP_SIZE)
+// Decode (one query row at position `pos`, over positions 0..pos), grouped-query aware: block
+// (kv head, split) takes the G = heads / kv_heads query heads that share the kv head, so every key
+// and value row is read once. The visible positions are cut into `splits` (gridDim.y) chunks of a
+// whole number of tiles, sized from `pos` on the device so that a recorded step spreads short and
+// long contexts alike over the GPU. A split's positions come through shared memory in tiles of
+// DEC_TILE rows, the next tile's loads in flight while the current one is used;
+// an online softmax per query head (running max and sum) keeps the weighted values in registers.
+// Each split writes (max, sum, acc[head_dim]) per head to `partial` [heads, splits, head_dim + 2];
+// the last split of a kv head to finish (a ticket from `counters`, reset afterwards) merges them in
+// split order into out [heads * head_dim]. Splits past the visible positions exit at once, so a
+// recorded step may cover the whole cache. Needs head_dim % 8 == 0, head_dim <= 256,
+// G * head_dim <= DEC_MAX_QD, G <= 16. Launch: grid (kv_heads, splits), block DEC_THREADS.
+#define DEC_TILE 32
+#define DEC_THREADS 256
+#define DEC_MAX_QD 2048
+#define DEC_LOADS (DEC_TILE * 256 / 8 / DEC_THREADS)
 
-ATLAS_KERNEL void attention_partial(const float* q, const bf16* kc, const bf16* vc, float* partial, int start_pos,
-                                    const int* pos_dev, int kv_heads, int head_dim, float scale, int chunk) {
-    if (pos_dev) start_pos = *pos_dev;
-    __shared__ float wm[32], wl[32];
-    __shared__ float wacc[32][256];
-    const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
-    const int heads = gridDim.x, splits = gridDim.z;
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    const int kvh = h / (heads / kv_heads);
-    const int width = kv_heads * head_dim;
-    const int visible = start_pos + t + 1;
+ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* vc, float* partial, int* counters,
+                                   float* out, int pos, const int* pos_dev, int heads, int kv_heads, int head_dim,
+                                   float scale) {
+    __shared__ float qs[DEC_MAX_QD];
+    __shared__ __attribute__((aligned(16))) bf16 ks[DEC_TILE * (256 + 8)];
+    __shared__ __attribute__((aligned(16))) bf16 vs[DEC_TILE * 256];
+    __shared__ float pe[16 * DEC_TILE];
+    __shared__ float run_m[16], run_l[16], corr[16];
+    __shared__ int is_last;
+    if (pos_dev) pos = *pos_dev;
+    const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int D = head_dim, G = heads / kv_heads, width = kv_heads * D, ldk = D + 8;
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+    const int visible = pos + 1;
+    const int chunk = ((visible + splits - 1) / splits + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
+    const int active = (visible + chunk - 1) / chunk;
+    if (split >= active) return;
     const int begin = split * chunk, end = min(visible, begin + chunk);
-    const int per_lane = (head_dim + WARP_SIZE - 1) / WARP_SIZE;
 
-    float qv[MAX_DIMS_PER_LANE], acc[MAX_DIMS_PER_LANE];
-    const float* qh = q + ((long)t * heads + h) * head_dim;
+    for (int i = tid; i < G * D; i += blockDim.x) qs[i] = q[(long)kvh * G * D + i] * scale;
+    if (tid < G) {
+        run_m[tid] = NEG_INF;
+        run_l[tid] = 0.0f;
+    }
+    const int row_chunks = D / 8, tile_chunks = DEC_TILE * row_chunks, pairs = G * D / 2;
+    float acc[DEC_MAX_QD / 2 / DEC_THREADS][2];
 #pragma unroll
-    for (int i = 0; i < MAX_DIMS_PER_LANE; i++) {
-        const int d = lane + i * WARP_SIZE;
-        qv[i] = (i < per_lane && d < head_dim) ? qh[d] * scale : 0.0f;
-        acc[i] = 0.0f;
-    }
-    float m = NEG_INF, l = 0.0f;
-    for (int p = begin + warp; p < end; p += warps) {
-        const bf16* kp = kc + (long)p * width + kvh * head_dim;
-        const bf16* vp = vc + (long)p * width + kvh * head_dim;
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MAX_DIMS_PER_LANE; i++) {
-            const int d = lane + i * WARP_SIZE;
-            if (i < per_lane && d < head_dim) s += qv[i] * bf16_to_f32(kp[d]);
-        }
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
-        const float correction = expf(m - m_new), e = expf(s - m_new);
-        l = l * correction + e;
-#pragma unroll
-        for (int i = 0; i < MAX_DIMS_PER_LANE; i++) {
-            const int d = lane + i * WARP_SIZE;
-            if (i < per_lane && d < head_dim) acc[i] = acc[i] * correction + e * bf16_to_f32(vp[d]);
-        }
-        m = m_new;
-    }
-    if (lane == 0) {
-        wm[warp] = m;
-        wl[warp] = l;
-    }
-#pragma unroll
-    for (int i = 0; i < MAX_DIMS_PER_LANE; i++) {
-        const int d = lane + i * WARP_SIZE;
-        if (i < per_lane && d < head_dim) wacc[warp][d] = acc[i];
-    }
-    __syncthreads();
-    // Merge the warps in order; thread d owns output dimension d.
-    float* dst = partial + (((long)t * heads + h) * splits + split) * (head_dim + 2);
-    float M = NEG_INF;
-    for (int w = 0; w < warps; w++) M = fmaxf(M, wm[w]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int w = 0; w < warps; w++)
-            if (wl[w] > 0.0f) a += wacc[w][d] * expf(wm[w] - M);
-        dst[2 + d] = a;
-    }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
-        for (int w = 0; w < warps; w++)
-            if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
-        dst[0] = M;
-        dst[1] = L;
-    }
-}
+    for (int j = 0; j < DEC_MAX_QD / 2 / DEC_THREADS; j++) acc[j][0] = acc[j][1] = 0.0f;
 
-ATLAS_KERNEL void attention_combine(const float* partial, float* out, int head_dim, int splits) {
-    const int h = blockIdx.x, t = blockIdx.y, heads = gridDim.x, d = threadIdx.x;
-    const float* src = partial + ((long)t * heads + h) * splits * (head_dim + 2);
-    float M = NEG_INF;
-    for (int s = 0; s < splits; s++)
-        if (src[s * (head_dim + 2) + 1] > 0.0f) M = fmaxf(M, src[s * (head_dim + 2)]);
-    float L = 0.0f, a = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float* c = src + s * (head_dim + 2);
-        if (c[1] > 0.0f) {
-            const float f = expf(c[0] - M);
-            L += c[1] * f;
-            a += c[2 + d] * f;
-        }
+    uint4 kr[DEC_LOADS], vr[DEC_LOADS];
+#pragma unroll
+    for (int i = 0; i < DEC_LOADS; i++) {
+        const int e = tid + i * DEC_THREADS, p = begin + e / row_chunks, c = e % row_chunks;
+        const bool ok = e < tile_chunks && p < end;
+        const long at = (long)p * width + kvh * D;
+        kr[i] = ok ? ((const uint4*)(kc + at))[c] : make_uint4(0, 0, 0, 0);
+        vr[i] = ok ? ((const uint4*)(vc + at))[c] : make_uint4(0, 0, 0, 0);
     }
-    if (d < head_dim) out[((long)t * heads + h) * head_dim + d] = a / L;
-}
-
-// The fast path for regular head sizes, same partial layout and combine as above. Scores are
-// computed with one position per lane (each lane reads its key row with 16-byte loads), then the
-// values are accumulated with the lanes spread over the dimensions, so both phases keep many loads
-// in flight. head_dim a multiple of 8 and of WARP_SIZE, at most 256. Launch: grid (heads, T,
-// splits), block 128.
-ATLAS_KERNEL void attention_partial_wide(const float* q, const bf16* kc, const bf16* vc, float* partial, int start_pos,
-                                   const int* pos_dev, int kv_heads, int head_dim, float scale, int chunk) {
-    __shared__ float qs[256];
-    __shared__ float wm[32], wl[32];
-    __shared__ float wacc[32][256];
-    if (pos_dev) start_pos = *pos_dev;
-    const int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, heads = gridDim.x, splits = gridDim.z;
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    const int kvh = h / (heads / kv_heads), width = kv_heads * head_dim;
-    const int visible = start_pos + t + 1;
-    const int begin = split * chunk, end = min(visible, begin + chunk);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[((long)t * heads + h) * head_dim + d] * scale;
-    __syncthreads();
-
-    const int per_lane = head_dim / WARP_SIZE;  // value dimensions per lane (>= 1 when head_dim >= WARP_SIZE)
-    float acc[MAX_DIMS_PER_LANE];
+    for (int p0 = begin; p0 < end; p0 += DEC_TILE) {
+        __syncthreads();  // the previous tile is no longer read
 #pragma unroll
-    for (int i = 0; i < MAX_DIMS_PER_LANE; i++) acc[i] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
-    for (int base = begin + warp * WARP_SIZE; base < end; base += warps * WARP_SIZE) {
-        const int p = base + lane;
-        float s = NEG_INF;
-        if (p < end) {
-            const uint4* kp = (const uint4*)(kc + (long)p * width + kvh * head_dim);
-            s = 0.0f;
-            // Eight 16-byte loads issued before any is used: the key row arrives in one latency.
-            for (int c0 = 0; c0 < head_dim / 8; c0 += 8) {
-                uint4 kw[8];
-#pragma unroll
-                for (int u = 0; u < 8; u++) kw[u] = c0 + u < head_dim / 8 ? kp[c0 + u] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const uint4 w = kw[u];
-                    const float* qc = qs + (c0 + u) * 8;
-                    if (c0 + u < head_dim / 8)
-                        s += __uint_as_float(w.x << 16) * qc[0] + __uint_as_float(w.x & 0xffff0000u) * qc[1]
-                           + __uint_as_float(w.y << 16) * qc[2] + __uint_as_float(w.y & 0xffff0000u) * qc[3]
-                           + __uint_as_float(w.z << 16) * qc[4] + __uint_as_float(w.z & 0xffff0000u) * qc[5]
-                           + __uint_as_float(w.w << 16) * qc[6] + __uint_as_float(w.w & 0xffff0000u) * qc[7];
-                }
+        for (int i = 0; i < DEC_LOADS; i++) {
+            const int e = tid + i * DEC_THREADS, r = e / row_chunks, c = e % row_chunks;
+            if (e < tile_chunks) {
+                *(uint4*)(ks + r * ldk + c * 8) = kr[i];
+                *(uint4*)(vs + r * D + c * 8) = vr[i];
             }
         }
-        const float m_new = fmaxf(m, warp_max(s));
-        const float e = (p < end) ? expf(s - m_new) : 0.0f;
-        const float correction = expf(m - m_new);
-        l = l * correction + warp_sum(e);
+        __syncthreads();
+        if (p0 + DEC_TILE < end) {
 #pragma unroll
-        for (int i = 0; i < MAX_DIMS_PER_LANE; i++) acc[i] *= correction;
-        const int count = min(WARP_SIZE, end - base);
-#pragma unroll 4
-        for (int j = 0; j < count; j++) {
-            const float ej = shfl(e, j);
-            const bf16* vp = vc + (long)(base + j) * width + kvh * head_dim + lane * per_lane;
-#pragma unroll
-            for (int i = 0; i < MAX_DIMS_PER_LANE; i++)
-                if (i < per_lane) acc[i] += ej * bf16_to_f32(vp[i]);
+            for (int i = 0; i < DEC_LOADS; i++) {
+                const int e = tid + i * DEC_THREADS, p = p0 + DEC_TILE + e / row_chunks, c = e % row_chunks;
+                const bool ok = e < tile_chunks && p < end;
+                const long at = (long)p * width + kvh * D;
+                kr[i] = ok ? ((const uint4*)(kc + at))[c] : make_uint4(0, 0, 0, 0);
+                vr[i] = ok ? ((const uint4*)(vc + at))[c] : make_uint4(0, 0, 0, 0);
+            }
         }
-        m = m_new;
-    }
-    if (lane == 0) {
-        wm[warp] = m;
-        wl[warp] = l;
-    }
+        const int n = min(DEC_TILE, end - p0);
+        // Scores: a warp per query head, a lane per position.
+        for (int g = warp; g < G; g += warps) {
+            float s = NEG_INF;
+            if (lane < n) {
+                const uint4* kp = (const uint4*)(ks + lane * ldk);
+                const float* qg = qs + g * D;
+                s = 0.0f;
+                for (int c = 0; c < row_chunks; c++) {
+                    const uint4 w = kp[c];
+                    const float* qc = qg + c * 8;
+                    s += __uint_as_float(w.x << 16) * qc[0] + __uint_as_float(w.x & 0xffff0000u) * qc[1]
+                       + __uint_as_float(w.y << 16) * qc[2] + __uint_as_float(w.y & 0xffff0000u) * qc[3]
+                       + __uint_as_float(w.z << 16) * qc[4] + __uint_as_float(w.z & 0xffff0000u) * qc[5]
+                       + __uint_as_float(w.w << 16) * qc[6] + __uint_as_float(w.w & 0xffff0000u) * qc[7];
+                }
+            }
+            const float m_old = run_m[g];
+            const float m_new = fmaxf(m_old, warp_max(s));
+            const float e = lane < n ? expf(s - m_new) : 0.0f;
+            const float sum = warp_sum(e);
+            if (lane < DEC_TILE) pe[g * DEC_TILE + lane] = e;
+            if (lane == 0) {
+                const float c = expf(m_old - m_new);
+                corr[g] = c;
+                run_l[g] = run_l[g] * c + sum;
+                run_m[g] = m_new;
+            }
+        }
+        __syncthreads();
+        // Values: a thread per (head, pair of dimensions).
 #pragma unroll
-    for (int i = 0; i < MAX_DIMS_PER_LANE; i++)
-        if (i < per_lane) wacc[warp][lane * per_lane + i] = acc[i];
+        for (int j = 0; j < DEC_MAX_QD / 2 / DEC_THREADS; j++) {
+            const int idx = tid + j * DEC_THREADS;
+            if (idx < pairs) {
+                const int g = idx / (D / 2), d2 = idx % (D / 2);
+                const float c = corr[g];
+                float a0 = acc[j][0] * c, a1 = acc[j][1] * c;
+                const float* pg = pe + g * DEC_TILE;
+                for (int p = 0; p < n; p++) {
+                    const unsigned int v = ((const unsigned int*)(vs + p * D))[d2];
+                    a0 += pg[p] * __uint_as_float(v << 16);
+                    a1 += pg[p] * __uint_as_float(v & 0xffff0000u);
+                }
+                acc[j][0] = a0;
+                acc[j][1] = a1;
+            }
+        }
+    }
     __syncthreads();
-    float* dst = partial + (((long)t * heads + h) * splits + split) * (head_dim + 2);
-    float M = NEG_INF;
-    for (int w = 0; w < warps; w++) M = fmaxf(M, wm[w]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int w = 0; w < warps; w++)
-            if (wl[w] > 0.0f) a += wacc[w][d] * expf(wm[w] - M);
-        dst[2 + d] = a;
+
+    const long head0 = (long)kvh * G;
+#pragma unroll
+    for (int j = 0; j < DEC_MAX_QD / 2 / DEC_THREADS; j++) {
+        const int idx = tid + j * DEC_THREADS;
+        if (idx < pairs) {
+            const int g = idx / (D / 2), d2 = idx % (D / 2);
+            float* dst = partial + ((head0 + g) * splits + split) * (D + 2);
+            dst[2 + 2 * d2] = acc[j][0];
+            dst[3 + 2 * d2] = acc[j][1];
+        }
     }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
-        for (int w = 0; w < warps; w++)
-            if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
-        dst[0] = M;
-        dst[1] = L;
+    if (tid < G) {
+        float* dst = partial + ((head0 + tid) * splits + split) * (D + 2);
+        dst[0] = run_m[tid];
+        dst[1] = run_l[tid];
     }
+    // Publish the partial, then take a ticket: the last split of this kv head merges.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(&counters[kvh], 1) == active - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int i = tid; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        const volatile float* src = partial + (head0 + g) * splits * (D + 2);
+        float M = NEG_INF;
+        for (int s = 0; s < active; s++) M = fmaxf(M, src[s * (D + 2)]);
+        float L = 0.0f, a = 0.0f;
+#pragma unroll 4
+        for (int s = 0; s < active; s++) {
+            const float f = expf(src[s * (D + 2)] - M);
+            L += src[s * (D + 2) + 1] * f;
+            a += src[s * (D + 2) + 2 + d] * f;
+        }
+        out[(head0 + g) * D + d] = a / L;
+    }
+    if (tid == 0) counters[kvh] = 0;
 }

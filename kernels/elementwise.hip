@@ -1,5 +1,6 @@
 // Elementwise ops on f32 activations. Launch: 1-D grid of 256-thread blocks covering n.
 #include "common/portable.h"
+#include "common/fp8.h"
 
 // out = silu(gate) * up
 ATLAS_KERNEL void silu_mul(const float* gate, const float* up, float* out, int n) {
@@ -23,17 +24,44 @@ ATLAS_KERNEL void embed_bf16(const bf16* table, const int* tokens, float* out, i
     if (c < cols) out[(long)t * cols + c] = bf16_to_f32(table[(long)tokens[t] * cols + c]);
 }
 
+// The same from FP8 block-scaled weights (common/fp8.h); `kblocks` = ceil(cols / 128).
+ATLAS_KERNEL void embed_fp8(const unsigned char* table, const float* scales, const int* tokens, float* out, int cols,
+                            int kblocks) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = blockIdx.y;
+    if (c >= cols) return;
+    const int row = tokens[t];
+    const float s = fp8_scale(scales[(row / FP8_BLOCK) * kblocks + c / FP8_BLOCK]);
+    out[(long)t * cols + c] = e4m3_scaled(table[(long)row * cols + c]) * s;
+}
+
+// splitmix64 of (seed, i): the hash behind synthetic benchmark weights (CPU twin: quant::synthetic).
+__device__ __forceinline__ unsigned long long synthetic_hash(unsigned long long seed, long i) {
+    unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
 // Deterministic pseudo-random bf16 weights (synthetic benchmark models): value i is a hash of
 // (seed, i) mapped to [-scale, scale). The CPU twin is quant::synthetic.
 ATLAS_KERNEL void fill_random_bf16(bf16* w, long n, unsigned long long seed, float scale) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     long stride = (long)gridDim.x * blockDim.x;
     for (; i < n; i += stride) {
-        unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
+        const unsigned long long z = synthetic_hash(seed, i);
         float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
         w[i] = f32_to_bf16((2.0f * u - 1.0f) * scale);
+    }
+}
+
+// Synthetic FP8 codes: a random sign and a magnitude code below 0x40 (values up to 1.875, none
+// NaN), from the same hash. The scales are set by the caller.
+ATLAS_KERNEL void fill_random_fp8(unsigned char* w, long n, unsigned long long seed) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long stride = (long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) {
+        const unsigned long long z = synthetic_hash(seed, i);
+        w[i] = (unsigned char)(((z >> 56) & 0x80u) | ((z >> 40) & 0x3fu));
     }
 }

@@ -1,89 +1,235 @@
-// Linear layers with bf16 weights: y[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]), f32 accumulation.
-// Layout: W [N, K] bf16 row-major (nn.Linear.weight), x [T, K] f32, y [T, N] f32, bias [N] f32 or null.
+// Linear layers for decode: y[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]), f32 accumulation.
+// Layout: W [N, K] row-major (nn.Linear.weight), x [T, K] f32, y [T, N] f32, bias [N] f32 or null.
+// Prefill (T > GEMV_MAX_T) is in gemm.hip.
 #include "common/portable.h"
-#include "common/mma.h"
+#include "common/fp8.h"
 
 #define GEMV_MAX_T 8
 
-// Decode, one token: one warp per output row, 16-byte weight loads (8 bf16 per lane), four in
-// flight per lane to keep the memory system busy. Launch: grid ceil(N / warps_per_block), block 256.
-// Needs K % 8 == 0.
-// `residual` (may be y itself) is added to the result: the residual stream's update in one pass.
-ATLAS_KERNEL void gemv1_bf16(const bf16* W, const float* x, const float* bias, const float* residual, float* y, int N,
-                             int K) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    if (n >= N) return;
-    const uint4* row = (const uint4*)(W + (long)n * K);
-    const float4* xv = (const float4*)x;
-    const int chunks = K / 8;
-    float acc = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 4 * WARP_SIZE) {
-        uint4 p[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int c = c0 + u * WARP_SIZE;
-            p[u] = c < chunks ? row[c] : make_uint4(0, 0, 0, 0);
+// One-token products (decode): each warp computes GEMV_ROWS output rows, each lane streaming
+// 16-byte weight chunks of all of them (two stages of loads in flight), so every x value read is
+// used GEMV_ROWS times and the memory system stays busy. Launch: grid
+// ceil(rows / (GEMV_ROWS * warps_per_block)), block GEMV_THREADS, dynamic shared memory K * 4 bytes
+// when `norm_w` is given (else 0).
+//
+// `norm_w` (optional) fuses the RMSNorm that precedes these projections: the block normalises x
+// into shared memory once (x * rsqrt(mean(x^2) + eps) * norm_w) and every warp reads it there.
+// Weight formats are small structs: row(n) gives a row's reader, whose load(c) fetches 16-byte
+// chunk c and dot() multiplies it with the chunk's x values.
+#define GEMV_THREADS 256
+#define GEMV_ROWS 2
+
+struct Bf16Weights {
+    static constexpr int PER_CHUNK = 8;
+    const bf16* w;
+    int K;
+    struct Row {
+        const uint4* p;
+        __device__ __forceinline__ uint4 load(int c) const { return p[c]; }
+        __device__ __forceinline__ float dot(uint4 q, const float* xc, int c) const {
+            return __uint_as_float(q.x << 16) * xc[0] + __uint_as_float(q.x & 0xffff0000u) * xc[1]
+                 + __uint_as_float(q.y << 16) * xc[2] + __uint_as_float(q.y & 0xffff0000u) * xc[3]
+                 + __uint_as_float(q.z << 16) * xc[4] + __uint_as_float(q.z & 0xffff0000u) * xc[5]
+                 + __uint_as_float(q.w << 16) * xc[6] + __uint_as_float(q.w & 0xffff0000u) * xc[7];
         }
+    };
+    __device__ __forceinline__ Row row(int n) const { return Row{(const uint4*)(w + (long)n * K)}; }
+};
+
+// FP8 E4M3 with a scale per 128x128 block (common/fp8.h). A 16-byte chunk lies in one block.
+struct Fp8Weights {
+    static constexpr int PER_CHUNK = 16;
+    const unsigned char* w;
+    const float* scales;
+    int K;
+    struct Row {
+        const uint4* p;
+        const float* scale;  // the row's line of the scale grid
+        __device__ __forceinline__ uint4 load(int c) const { return p[c]; }
+        __device__ __forceinline__ float dot(uint4 q, const float* xc, int c) const {
+            const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+            float s = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int c = c0 + u * WARP_SIZE;
-            if (c < chunks) {
-                const float4 a = xv[2 * c], b = xv[2 * c + 1];
-                acc += __uint_as_float(p[u].x << 16) * a.x + __uint_as_float(p[u].x & 0xffff0000u) * a.y
-                     + __uint_as_float(p[u].y << 16) * a.z + __uint_as_float(p[u].y & 0xffff0000u) * a.w
-                     + __uint_as_float(p[u].z << 16) * b.x + __uint_as_float(p[u].z & 0xffff0000u) * b.y
-                     + __uint_as_float(p[u].w << 16) * b.z + __uint_as_float(p[u].w & 0xffff0000u) * b.w;
+            for (int j = 0; j < 4; j++) {
+                float v[4];
+                e4m3x4_scaled(words[j], v);
+                s += v[0] * xc[4 * j] + v[1] * xc[4 * j + 1] + v[2] * xc[4 * j + 2] + v[3] * xc[4 * j + 3];
             }
+            return s * fp8_scale(scale[c * PER_CHUNK / FP8_BLOCK]);
         }
+    };
+    __device__ __forceinline__ Row row(int n) const {
+        const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+        return Row{(const uint4*)(w + (long)n * K), scales + (n / FP8_BLOCK) * kblocks};
     }
-    acc = warp_sum(acc);
-    if (lane == 0) y[n] = acc + (bias ? bias[n] : 0.0f) + (residual ? residual[n] : 0.0f);
+};
+
+// x, RMS-normalised when norm_w is given, in the block's shared memory; else x itself.
+// Every thread of the block must call it (it synchronises). K % 4 == 0.
+__device__ __forceinline__ const float* gemv_input(const float* x, const float* norm_w, float eps, int K) {
+    extern __shared__ float gemv_x[];
+    __shared__ float scratch[32];
+    if (!norm_w) return x;
+    const float4* x4 = (const float4*)x;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+        const float4 v = x4[i];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float r = rsqrtf(block_sum(ss, scratch) / K + eps);
+    for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+        const float4 v = x4[i], w = ((const float4*)norm_w)[i];
+        ((float4*)gemv_x)[i] = make_float4(v.x * r * w.x, v.y * r * w.y, v.z * r * w.z, v.w * r * w.w);
+    }
+    __syncthreads();
+    return gemv_x;
 }
 
-// Decode, one token, the gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]).
-// One warp per n reads both rows; same launch shape as gemv1_bf16.
-ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* G, const bf16* U, const float* x, const float* gate_bias,
-                                     const float* up_bias, float* out, int N, int K) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    if (n >= N) return;
-    const uint4* grow = (const uint4*)(G + (long)n * K);
-    const uint4* urow = (const uint4*)(U + (long)n * K);
-    const float4* xv = (const float4*)x;
-    const int chunks = K / 8;
-    float g = 0.0f, u = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 2 * WARP_SIZE) {
-        uint4 pg[2], pu[2];
+// Lane-strided 16-byte chunks of ROWS weight rows, INFLIGHT chunks per row per stage.
+template <int ROWS, class R>
+struct GemvStage {
+    static constexpr int INFLIGHT = ROWS >= 4 ? 1 : 4 / ROWS;
+    uint4 p[ROWS][INFLIGHT];
+    __device__ __forceinline__ void fetch(const R* rows, int c0, int chunks) {
 #pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const int c = c0 + k * WARP_SIZE;
-            pg[k] = c < chunks ? grow[c] : make_uint4(0, 0, 0, 0);
-            pu[k] = c < chunks ? urow[c] : make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < INFLIGHT; u++) {
+            const int c = c0 + u * WARP_SIZE;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) p[r][u] = c < chunks ? rows[r].load(c) : make_uint4(0, 0, 0, 0);
         }
+    }
+    template <int PER_CHUNK>
+    __device__ __forceinline__ void consume(const R* rows, int c0, int chunks, const float* x, float* acc) const {
 #pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const int c = c0 + k * WARP_SIZE;
+        for (int u = 0; u < INFLIGHT; u++) {
+            const int c = c0 + u * WARP_SIZE;
             if (c < chunks) {
-                const float4 a = xv[2 * c], b = xv[2 * c + 1];
-                const float xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                const unsigned int gw[4] = {pg[k].x, pg[k].y, pg[k].z, pg[k].w};
-                const unsigned int uw[4] = {pu[k].x, pu[k].y, pu[k].z, pu[k].w};
+                float xc[PER_CHUNK];
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    g += __uint_as_float(gw[j] << 16) * xs[2 * j] + __uint_as_float(gw[j] & 0xffff0000u) * xs[2 * j + 1];
-                    u += __uint_as_float(uw[j] << 16) * xs[2 * j] + __uint_as_float(uw[j] & 0xffff0000u) * xs[2 * j + 1];
+                for (int j = 0; j < PER_CHUNK / 4; j++) {
+                    const float4 v = ((const float4*)x)[c * (PER_CHUNK / 4) + j];
+                    xc[4 * j] = v.x, xc[4 * j + 1] = v.y, xc[4 * j + 2] = v.z, xc[4 * j + 3] = v.w;
                 }
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) acc[r] += rows[r].dot(p[r][u], xc, c);
             }
         }
     }
-    g = warp_sum(g) + (gate_bias ? gate_bias[n] : 0.0f);
-    u = warp_sum(u) + (up_bias ? up_bias[n] : 0.0f);
-    if (lane == 0) out[n] = g / (1.0f + expf(-g)) * u;
+};
+
+// acc[r] = rows[r] · x, summed over the warp. The first stage's loads are issued before the input
+// is staged (gemv_input), so the norm's prologue overlaps them; then each stage's successor is
+// fetched before the stage is used, two stages in flight.
+template <int ROWS, int PER_CHUNK, class R>
+__device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const float* x, const float* norm_w,
+                                              float eps, int K, float* acc) {
+    typedef GemvStage<ROWS, R> Stage;
+    const int lane = threadIdx.x % WARP_SIZE, chunks = K / PER_CHUNK, step = Stage::INFLIGHT * WARP_SIZE;
+    Stage cur, next;
+    if (active) cur.fetch(rows, lane, chunks);
+    const float* xs = gemv_input(x, norm_w, eps, K);
+    if (!active) return;
+    for (int c0 = lane; c0 < chunks; c0 += 2 * step) {
+        if (c0 + step < chunks) next.fetch(rows, c0 + step, chunks);
+        cur.template consume<PER_CHUNK>(rows, c0, chunks, xs, acc);
+        if (c0 + step >= chunks) break;
+        if (c0 + 2 * step < chunks) cur.fetch(rows, c0 + 2 * step, chunks);
+        next.template consume<PER_CHUNK>(rows, c0 + step, chunks, xs, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]);
 }
 
-// Decode, a few tokens (T <= GEMV_MAX_T): as gemv1, each W row read once for all T tokens.
-ATLAS_KERNEL void gemv_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K, int T) {
+// Up to three projections of the same input in one launch (q, k and v): rows [0, n0) go to y0,
+// the next n1 to y1, the next n2 to y2. `residual` (may be y0) is added to segment 0.
+template <class W>
+__device__ __forceinline__ void gemv1(const W& w0, const W& w1, const W& w2, const float* b0, const float* b1,
+                                      const float* b2, float* y0, float* y1, float* y2, int n0, int n1, int n2,
+                                      const float* x, const float* norm_w, float eps, const float* residual, int K) {
+    const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
+    const int total = n0 + n1 + n2;
+    typename W::Row rows[GEMV_ROWS];
+    int seg[GEMV_ROWS], n[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        // Rows past the end read row 0 and are not written.
+        const int g = first + r < total ? first + r : 0;
+        seg[r] = g >= n0 + n1 ? 2 : g >= n0 ? 1 : 0;
+        n[r] = g - (seg[r] == 2 ? n0 + n1 : seg[r] == 1 ? n0 : 0);
+        rows[r] = (seg[r] == 2 ? w2 : seg[r] == 1 ? w1 : w0).row(n[r]);
+    }
+    float acc[GEMV_ROWS] = {};
+    gemv_rows_dot<GEMV_ROWS, W::PER_CHUNK>(rows, first < total, x, norm_w, eps, K, acc);
+    if (threadIdx.x % WARP_SIZE != 0) return;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        if (first + r >= total) break;
+        const float* bias = seg[r] == 2 ? b2 : seg[r] == 1 ? b1 : b0;
+        float* y = seg[r] == 2 ? y2 : seg[r] == 1 ? y1 : y0;
+        const float* res = seg[r] == 0 ? residual : nullptr;
+        y[n[r]] = acc[r] + (bias ? bias[n[r]] : 0.0f) + (res ? res[n[r]] : 0.0f);
+    }
+}
+
+// The gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]), GEMV_ROWS values of
+// n per warp (so 2 * GEMV_ROWS weight rows).
+template <class W>
+__device__ __forceinline__ void gemv1_gate_up(const W& g, const W& u, const float* gate_bias, const float* up_bias,
+                                              const float* x, const float* norm_w, float eps, float* out, int N, int K) {
+    const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
+    typename W::Row rows[2 * GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        const int n = first + r < N ? first + r : 0;
+        rows[2 * r] = g.row(n);
+        rows[2 * r + 1] = u.row(n);
+    }
+    float acc[2 * GEMV_ROWS] = {};
+    gemv_rows_dot<2 * GEMV_ROWS, W::PER_CHUNK>(rows, first < N, x, norm_w, eps, K, acc);
+    if (threadIdx.x % WARP_SIZE != 0) return;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        const int n = first + r;
+        if (n >= N) break;
+        const float gv = acc[2 * r] + (gate_bias ? gate_bias[n] : 0.0f), uv = acc[2 * r + 1] + (up_bias ? up_bias[n] : 0.0f);
+        out[n] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+// bf16 weights: K % 8 == 0. The scale arguments are unused (same signature as the fp8 kernels).
+ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const float* s0, const float* s1,
+                             const float* s2, const float* b0, const float* b1, const float* b2, float* y0, float* y1,
+                             float* y2, int n0, int n1, int n2, const float* x, const float* norm_w, float eps,
+                             const float* residual, int K) {
+    gemv1(Bf16Weights{w0, K}, Bf16Weights{w1, K}, Bf16Weights{w2, K}, b0, b1, b2, y0, y1, y2, n0, n1, n2, x, norm_w,
+          eps, residual, K);
+}
+
+// FP8 block-scaled weights: K % 16 == 0; s0..s2 the scale grids.
+ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                            const float* s0, const float* s1, const float* s2, const float* b0, const float* b1,
+                            const float* b2, float* y0, float* y1, float* y2, int n0, int n1, int n2, const float* x,
+                            const float* norm_w, float eps, const float* residual, int K) {
+    gemv1(Fp8Weights{w0, s0, K}, Fp8Weights{w1, s1, K}, Fp8Weights{w2, s2, K}, b0, b1, b2, y0, y1, y2, n0, n1, n2, x,
+          norm_w, eps, residual, K);
+}
+
+ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                     const float* gate_bias, const float* up_bias, const float* x,
+                                     const float* norm_w, float eps, float* out, int N, int K) {
+    gemv1_gate_up(Bf16Weights{g, K}, Bf16Weights{u, K}, gate_bias, up_bias, x, norm_w, eps, out, N, K);
+}
+
+ATLAS_KERNEL void gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
+                                    const float* su, const float* gate_bias, const float* up_bias, const float* x,
+                                    const float* norm_w, float eps, float* out, int N, int K) {
+    gemv1_gate_up(Fp8Weights{g, sg, K}, Fp8Weights{u, su, K}, gate_bias, up_bias, x, norm_w, eps, out, N, K);
+}
+
+// Decode, a few tokens (T <= GEMV_MAX_T): each W row read once for all T tokens; `residual` (may be
+// y) is added. Launch: grid ceil(N / warps_per_block), block 256. Needs K % 8 == 0.
+ATLAS_KERNEL void gemv_bf16(const bf16* W, const float* x, const float* bias, const float* residual, float* y, int N,
+                            int K, int T) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int n = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (n >= N) return;
@@ -114,106 +260,8 @@ ATLAS_KERNEL void gemv_bf16(const bf16* W, const float* x, const float* bias, fl
     for (int t = 0; t < GEMV_MAX_T; t++) {
         if (t < T) {
             const float s = warp_sum(acc[t]);
-            if (lane == 0) y[(long)t * N + n] = s + (bias ? bias[n] : 0.0f);
-        }
-    }
-}
-
-// Prefill (T > GEMV_MAX_T, any K): 128x128 output tiles on the matrix cores (common/mma.h). Each
-// 32-wide K step stages x (converted to bf16) and W in shared memory; the 64 16x16 tiles of a
-// block are shared out among its warps. Launch: grid (ceil(N/128), ceil(T/128)), block 256.
-#define GM 128
-#define GN 128
-#define GK 32
-#define GLD (GK + 8)
-#define GTHREADS 256
-#define TILES_PER_WARP (64 / (GTHREADS / WARP_SIZE))
-
-ATLAS_KERNEL void gemm_bf16(const bf16* W, const float* x, const float* bias, float* y, int N, int K, int T) {
-    __shared__ bf16 xs[GM * GLD];
-    __shared__ bf16 ws[GN * GLD];
-    const int warp = threadIdx.x / WARP_SIZE, warps = GTHREADS / WARP_SIZE;
-    const int n0 = blockIdx.x * GN, t0 = blockIdx.y * GM;
-    float acc[TILES_PER_WARP][MMA_ACC];
-#pragma unroll
-    for (int j = 0; j < TILES_PER_WARP; j++)
-#pragma unroll
-        for (int i = 0; i < MMA_ACC; i++) acc[j][i] = 0.0f;
-
-    // Blocks of whole tiles (the usual case) load the next K step into registers with 16-byte loads
-    // while the matrix cores work on the current one; edge blocks go element by element.
-    const bool full = (K % GK) == 0 && t0 + GM <= T && n0 + GN <= N;
-    float4 xr[GM * GK / 4 / GTHREADS];
-    uint4 wr[GN * GK / 8 / GTHREADS];
-    if (full) {
-#pragma unroll
-        for (int i = 0; i < GM * GK / 4 / GTHREADS; i++) {
-            const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 4), k = (e % (GK / 4)) * 4;
-            xr[i] = *(const float4*)(x + (long)(t0 + r) * K + k);
-        }
-#pragma unroll
-        for (int i = 0; i < GN * GK / 8 / GTHREADS; i++) {
-            const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 8), k = (e % (GK / 8)) * 8;
-            wr[i] = *(const uint4*)(W + (long)(n0 + r) * K + k);
-        }
-    }
-    for (int k0 = 0; k0 < K; k0 += GK) {
-        if (full) {
-#pragma unroll
-            for (int i = 0; i < GM * GK / 4 / GTHREADS; i++) {
-                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 4), k = (e % (GK / 4)) * 4;
-                bf16* dst = xs + r * GLD + k;
-                dst[0] = f32_to_bf16(xr[i].x);
-                dst[1] = f32_to_bf16(xr[i].y);
-                dst[2] = f32_to_bf16(xr[i].z);
-                dst[3] = f32_to_bf16(xr[i].w);
-            }
-#pragma unroll
-            for (int i = 0; i < GN * GK / 8 / GTHREADS; i++) {
-                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 8), k = (e % (GK / 8)) * 8;
-                unsigned int* dst = (unsigned int*)(ws + r * GLD + k);
-                dst[0] = wr[i].x;
-                dst[1] = wr[i].y;
-                dst[2] = wr[i].z;
-                dst[3] = wr[i].w;
-            }
-        } else {
-            for (int e = threadIdx.x; e < GM * GK; e += GTHREADS) {
-                const int r = e / GK, k = e % GK, t = t0 + r, n = n0 + r, kk = k0 + k;
-                xs[r * GLD + k] = (t < T && kk < K) ? f32_to_bf16(x[(long)t * K + kk]) : (bf16)0;
-                ws[r * GLD + k] = (n < N && kk < K) ? W[(long)n * K + kk] : (bf16)0;
-            }
-        }
-        __syncthreads();
-        if (full && k0 + GK < K) {
-#pragma unroll
-            for (int i = 0; i < GM * GK / 4 / GTHREADS; i++) {
-                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 4), k = (e % (GK / 4)) * 4;
-                xr[i] = *(const float4*)(x + (long)(t0 + r) * K + k0 + GK + k);
-            }
-#pragma unroll
-            for (int i = 0; i < GN * GK / 8 / GTHREADS; i++) {
-                const int e = threadIdx.x + i * GTHREADS, r = e / (GK / 8), k = (e % (GK / 8)) * 8;
-                wr[i] = *(const uint4*)(W + (long)(n0 + r) * K + k0 + GK + k);
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < GK; kk += 16) {
-#pragma unroll
-            for (int j = 0; j < TILES_PER_WARP; j++) {
-                const int tile = warp + j * warps, tm = tile / 8, tn = tile % 8;
-                mma16(acc[j], xs + tm * 16 * GLD + kk, GLD, ws + tn * 16 * GLD + kk, GLD);
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int j = 0; j < TILES_PER_WARP; j++) {
-        const int tile = warp + j * warps, tm = tile / 8, tn = tile % 8;
-#pragma unroll
-        for (int i = 0; i < MMA_ACC; i++) {
-            const int t = t0 + tm * 16 + mma_row(i), n = n0 + tn * 16 + mma_col(i);
-            if (t < T && n < N) y[(long)t * N + n] = acc[j][i] + (bias ? bias[n] : 0.0f);
+            if (lane == 0)
+                y[(long)t * N + n] = s + (bias ? bias[n] : 0.0f) + (residual ? residual[(long)t * N + n] : 0.0f);
         }
     }
 }

@@ -30,29 +30,72 @@ ATLAS_KERNEL void rms_norm(const float* x, const float* weight, float* out, int 
     for (int i = threadIdx.x; i < group; i += blockDim.x) og[i] = xg[i] * scale * weight[i];
 }
 
-// Qwen3's per-head q/k norm (when `weight` is not null) followed by rotary embedding, in place,
-// in one pass: x [T, heads * head_dim], rotate-half layout, row t at position start_pos + t (or
-// *pos_dev while a decode step is recorded). Launch: grid (heads, T), block head_dim / 2 rounded up
-// to the warp size.
+// One head held as pairs (a, b) = (x[i], x[i + head_dim/2]), thread i owning pair i: Qwen3's
+// per-head RMSNorm (when `weight` is given), then the rotary embedding at `position` (rotate-half
+// layout). Every thread of the block calls it (it synchronises); threads past the pairs pass zeros.
+__device__ __forceinline__ void norm_rotate(float& a, float& b, const float* weight, float eps, const float* inv_freq,
+                                            int position, int head_dim, float* scratch) {
+    const int half = head_dim / 2, i = threadIdx.x;
+    if (weight) {
+        const float scale = rsqrtf(block_sum(a * a + b * b, scratch) / head_dim + eps);
+        a *= scale * (i < half ? weight[i] : 0.0f);
+        b *= scale * (i < half ? weight[i + half] : 0.0f);
+    }
+    if (i >= half) return;
+    float s, c;
+    sincosf((float)position * inv_freq[i], &s, &c);
+    const float na = a * c - b * s, nb = b * c + a * s;
+    a = na;
+    b = nb;
+}
+
+// norm_rotate in place over x [T, heads * head_dim], row t at position start_pos + t (or
+// *pos_dev + t while a decode step is recorded). Launch: grid (heads, T), block head_dim / 2
+// rounded up to the warp size.
 ATLAS_KERNEL void norm_rope(float* x, const float* weight, float eps, const float* inv_freq, int start_pos,
                             const int* pos_dev, int head_dim) {
     __shared__ float scratch[32];
     if (pos_dev) start_pos = *pos_dev;
     const int half = head_dim / 2, i = threadIdx.x, t = blockIdx.y, heads = gridDim.x;
     float* h = x + ((long)t * heads + blockIdx.x) * head_dim;
-    const float a = i < half ? h[i] : 0.0f, b = i < half ? h[i + half] : 0.0f;
-    float scale = 1.0f, wa = 1.0f, wb = 1.0f;
-    if (weight) {
-        scale = rsqrtf(block_sum(a * a + b * b, scratch) / head_dim + eps);
-        if (i < half) {
-            wa = weight[i];
-            wb = weight[i + half];
-        }
+    float a = i < half ? h[i] : 0.0f, b = i < half ? h[i + half] : 0.0f;
+    norm_rotate(a, b, weight, eps, inv_freq, start_pos + t, head_dim, scratch);
+    if (i < half) {
+        h[i] = a;
+        h[i + half] = b;
     }
-    if (i >= half) return;
-    const float na = a * scale * wa, nb = b * scale * wb;
-    float s, c;
-    sincosf((float)(start_pos + t) * inv_freq[i], &s, &c);
-    h[i] = na * c - nb * s;
-    h[i + half] = nb * c + na * s;
+}
+
+// The start of a layer's attention in one launch: norm_rotate of every q head (in place) and k
+// head, and the KV-cache append of k and v as bf16 at rows start_pos + t. q [T, heads * head_dim],
+// k and v [T, kv_heads * head_dim] f32; caches [capacity, kv_heads * head_dim] bf16. Launch: grid
+// (heads + 2 * kv_heads, T): q heads, then k heads, then v heads; block as norm_rope.
+ATLAS_KERNEL void qkv_rope_append(float* q, const float* k, const float* v, const float* q_norm, const float* k_norm,
+                                  float eps, const float* inv_freq, int start_pos, const int* pos_dev, bf16* kc,
+                                  bf16* vc, int heads, int kv_heads, int head_dim) {
+    __shared__ float scratch[32];
+    if (pos_dev) start_pos = *pos_dev;
+    const int half = head_dim / 2, i = threadIdx.x, t = blockIdx.y, width = kv_heads * head_dim;
+    int h = blockIdx.x;
+    if (h < heads) {
+        float* x = q + ((long)t * heads + h) * head_dim;
+        float a = i < half ? x[i] : 0.0f, b = i < half ? x[i + half] : 0.0f;
+        norm_rotate(a, b, q_norm, eps, inv_freq, start_pos + t, head_dim, scratch);
+        if (i < half) {
+            x[i] = a;
+            x[i + half] = b;
+        }
+        return;
+    }
+    h -= heads;
+    const bool is_key = h < kv_heads;
+    if (!is_key) h -= kv_heads;
+    const float* x = (is_key ? k : v) + (long)t * width + h * head_dim;
+    bf16* dst = (is_key ? kc : vc) + (long)(start_pos + t) * width + h * head_dim;
+    float a = i < half ? x[i] : 0.0f, b = i < half ? x[i + half] : 0.0f;
+    if (is_key) norm_rotate(a, b, k_norm, eps, inv_freq, start_pos + t, head_dim, scratch);
+    if (i < half) {
+        dst[i] = f32_to_bf16(a);
+        dst[i + half] = f32_to_bf16(b);
+    }
 }

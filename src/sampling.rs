@@ -107,6 +107,18 @@ impl Sampler {
         Sampler { rng: Rng::new(seed), params, vocab_limit }
     }
 
+    /// True when the choice is the plain argmax of the logits (no temperature, no penalties), which
+    /// a GPU can make on the device: only the id then crosses to the host.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0 && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
+    /// Ids at or above this are never chosen.
+    pub fn vocab_limit(&self) -> usize {
+        self.vocab_limit
+    }
+
     /// Chooses the next token. `history` is prompt + output so far; `output_start` is where the
     /// output begins in it (presence and frequency penalties look at the output only).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_start: usize) -> u32 {

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use atlas::backend::cpu::{CpuBackend, CpuTensor};
 use atlas::backend::gpu::{cuda, GpuBackend, GpuTensor};
-use atlas::backend::{AttentionShape, Backend, Rope};
+use atlas::backend::{AttentionShape, Backend, Proj, QkNorms, Rope};
+use atlas::quant::fp8::Fp8BlockMatrix;
 use atlas::quant::{DenseData, DenseMatrix, QuantMatrix};
 use atlas::sampling::Rng;
 use atlas::{Device, Engine, EngineOptions, GenerateRequest};
@@ -38,6 +39,38 @@ fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
 fn bf16_matrix(rng: &mut Rng, rows: usize, cols: usize) -> DenseMatrix {
     let data = random(rng, rows * cols, 1.0 / (cols as f32).sqrt());
     DenseMatrix::new(rows, cols, DenseData::BF16(data.iter().map(|v| half::bf16::from_f32(*v)).collect()))
+}
+
+/// Random E4M3 codes (every finite code, no NaN) with a random scale per 128x128 block.
+fn fp8_matrix(rng: &mut Rng, rows: usize, cols: usize) -> Fp8BlockMatrix {
+    let codes = (0..rows * cols)
+        .map(|_| loop {
+            let b = (rng.next_u64() >> 56) as u8;
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        })
+        .collect();
+    let grid = rows.div_ceil(128) * cols.div_ceil(128);
+    let scales = (0..grid).map(|_| (0.5 + rng.next_f64() as f32) / (100.0 * (cols as f32).sqrt())).collect();
+    Fp8BlockMatrix::new(rows, cols, codes, scales)
+}
+
+/// A bf16 or an fp8 matrix, boxed for upload.
+fn matrix(rng: &mut Rng, fp8: bool, rows: usize, cols: usize) -> Box<dyn QuantMatrix> {
+    if fp8 {
+        Box::new(fp8_matrix(rng, rows, cols))
+    } else {
+        Box::new(bf16_matrix(rng, rows, cols))
+    }
+}
+
+/// The same matrix twice: for the CPU and for the GPU.
+fn matrix_pair(rng: &mut Rng, fp8: bool, rows: usize, cols: usize) -> (Box<dyn QuantMatrix>, Box<dyn QuantMatrix>) {
+    let state = rng.clone();
+    let a = matrix(rng, fp8, rows, cols);
+    let b = matrix(&mut state.clone(), fp8, rows, cols);
+    (a, b)
 }
 
 struct Pair {
@@ -108,36 +141,74 @@ fn embedding_linear_and_argmax() {
     check(&g, &g.embed(&gw, &tokens).unwrap(), &want, 0.0, "embed");
     assert!(g.embed(&gw, &[300]).is_err(), "out-of-vocabulary id must be refused");
 
-    // gemv (T <= 8, K % 8 == 0) and the tiled gemm (larger T, ragged K), with and without bias.
-    for (t, n, k, with_bias) in [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1032, true)] {
-        let w = bf16_matrix(&mut rng, n, k);
-        let x = pair(&g, t, k, random(&mut rng, t * k, 1.0));
-        let bias = with_bias.then(|| pair(&g, 1, n, random(&mut rng, n, 0.5)));
-        let want = c.linear(&x.cpu, &(Box::new(w.clone()) as Box<dyn QuantMatrix>), bias.as_ref().map(|b| &b.cpu)).unwrap();
-        let gw = g.upload_weight(Box::new(w)).unwrap();
-        let got = g.linear(&x.gpu, &gw, bias.as_ref().map(|b| &b.gpu)).unwrap();
-        // Decode keeps activations in f32; prefill feeds them to the matrix cores as bf16.
-        let tol = if t <= 8 && k % 8 == 0 { 1e-4 } else { 1e-2 };
-        check(&g, &got, &want, tol, &format!("linear T={t} N={n} K={k}"));
-        // The same product added into a residual stream.
-        let mut res = pair(&g, t, n, random(&mut rng, t * n, 1.0));
-        g.linear_add(&x.gpu, &gw, bias.as_ref().map(|b| &b.gpu), &mut res.gpu).unwrap();
-        c.add_assign(&mut res.cpu, &want).unwrap();
-        check(&g, &res.gpu, &res.cpu, tol, &format!("linear_add T={t} N={n} K={k}"));
+    // Each weight format through the one-token GEMV (T = 1), the few-token GEMV (T <= 8, bf16)
+    // and the tiled GEMM (larger T, ragged K), with and without bias.
+    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true)];
+    for fp8 in [false, true] {
+        for (t, n, k, with_bias) in shapes {
+            let (cw, gw) = matrix_pair(&mut rng, fp8, n, k);
+            let x = pair(&g, t, k, random(&mut rng, t * k, 1.0));
+            let bias = with_bias.then(|| pair(&g, 1, n, random(&mut rng, n, 0.5)));
+            let want = c.linear(&x.cpu, &cw, bias.as_ref().map(|b| &b.cpu)).unwrap();
+            let gw = g.upload_weight(gw).unwrap();
+            let got = g.linear(&x.gpu, &gw, bias.as_ref().map(|b| &b.gpu)).unwrap();
+            // Decode keeps activations in f32; prefill feeds them (and fp8 weights) to the matrix
+            // cores as bf16.
+            let decode = t == 1 && k % 16 == 0 || !fp8 && t <= 8 && k % 8 == 0;
+            let tol = if decode { 1e-4 } else { 1e-2 };
+            let what = format!("linear {} T={t} N={n} K={k}", if fp8 { "fp8" } else { "bf16" });
+            check(&g, &got, &want, tol, &what);
+            // The same product added into a residual stream.
+            let mut res = pair(&g, t, n, random(&mut rng, t * n, 1.0));
+            g.linear_add(&x.gpu, &gw, bias.as_ref().map(|b| &b.gpu), &mut res.gpu).unwrap();
+            c.add_assign(&mut res.cpu, &want).unwrap();
+            check(&g, &res.gpu, &res.cpu, tol, &format!("{what} + residual"));
+        }
     }
 
-    // The fused gated-MLP half against the CPU's composition, decode (fused) and prefill shapes.
-    for (t, n, k) in [(1, 1000, 512), (1, 96, 64), (5, 64, 128)] {
-        let (gw, uw) = (bf16_matrix(&mut rng, n, k), bf16_matrix(&mut rng, n, k));
-        let x = pair(&g, t, k, random(&mut rng, t * k, 1.0));
-        let gb = pair(&g, 1, n, random(&mut rng, n, 0.5));
-        let want = c
-            .silu_gate_up(&x.cpu, &(Box::new(gw.clone()) as Box<dyn QuantMatrix>), Some(&gb.cpu), &(Box::new(uw.clone()) as Box<dyn QuantMatrix>), None)
-            .unwrap();
-        let (ggw, guw) = (g.upload_weight(Box::new(gw)).unwrap(), g.upload_weight(Box::new(uw)).unwrap());
-        let got = g.silu_gate_up(&x.gpu, &ggw, Some(&gb.gpu), &guw, None).unwrap();
-        check(&g, &got, &want, 1e-4, &format!("silu_gate_up T={t} N={n} K={k}"));
+    // The norm fused into the products of q, k and v, and into the gated MLP's first half, against
+    // the CPU's composition; decode (fused) and prefill shapes, both formats.
+    for fp8 in [false, true] {
+        for (t, n, k) in [(1, 1024, 4096), (1, 96, 64), (5, 64, 128), (20, 256, 256)] {
+            let x = pair(&g, t, k, random(&mut rng, t * k, 2.0));
+            let norm = pair(&g, 1, k, random(&mut rng, k, 1.5));
+            let bias = pair(&g, 1, n, random(&mut rng, n, 0.5));
+            let tol = if t == 1 { 1e-4 } else { 1e-2 };
+            let what = format!("{} T={t} N={n} K={k}", if fp8 { "fp8" } else { "bf16" });
+
+            let ws: Vec<_> = [n, n / 4, n / 4]
+                .iter()
+                .map(|&rows| {
+                    let (cw, gw) = matrix_pair(&mut rng, fp8, rows, k);
+                    (cw, g.upload_weight(gw).unwrap())
+                })
+                .collect();
+            // A bias on the second projection only (Qwen2-style k bias).
+            let kb = pair(&g, 1, n / 4, random(&mut rng, n / 4, 0.5));
+            let cp = |i: usize| Proj::<CpuBackend> { weight: &ws[i].0, bias: (i == 1).then_some(&kb.cpu) };
+            let gp = |i: usize| Proj::<GpuBackend> { weight: &ws[i].1, bias: (i == 1).then_some(&kb.gpu) };
+            let want = c.norm_linears(&x.cpu, &norm.cpu, 1e-6, [cp(0), cp(1), cp(2)]).unwrap();
+            let got = g.norm_linears(&x.gpu, &norm.gpu, 1e-6, [gp(0), gp(1), gp(2)]).unwrap();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                check(&g, a, b, tol, &format!("norm_linears[{i}] {what}"));
+            }
+
+            let (gate, up) = (matrix_pair(&mut rng, fp8, n, k), matrix_pair(&mut rng, fp8, n, k));
+            let (ggate, gup) = (g.upload_weight(gate.1).unwrap(), g.upload_weight(up.1).unwrap());
+            let want = c
+                .norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, Proj { weight: &gate.0, bias: Some(&bias.cpu) }, Proj { weight: &up.0, bias: None })
+                .unwrap();
+            let got = g
+                .norm_silu_gate_up(&x.gpu, &norm.gpu, 1e-6, Proj { weight: &ggate, bias: Some(&bias.gpu) }, Proj { weight: &gup, bias: None })
+                .unwrap();
+            check(&g, &got, &want, tol, &format!("norm_silu_gate_up {what}"));
+        }
     }
+
+    // Embedding rows of an fp8 table.
+    let (ct, gt) = matrix_pair(&mut rng, true, 300, 256);
+    let gt = g.upload_weight(gt).unwrap();
+    check(&g, &g.embed(&gt, &tokens).unwrap(), &c.embed(&ct, &tokens).unwrap(), 1e-6, "embed fp8");
 
     let logits = random(&mut rng, 151_936, 5.0);
     let best = atlas::sampling::argmax(&logits);
@@ -152,18 +223,41 @@ fn attention_prefill_then_decode() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let mut rng = Rng::new(3);
-    for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32)] {
+    // Group sizes 1 to 16, head sizes 16 to 256 (flash-attention prefill, grouped decode).
+    for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32), (16, 1, 128), (8, 1, 256), (4, 2, 16), (6, 3, 80)] {
         let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
         let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
         let mut pos = 0;
-        // A long prefill (several split chunks), a short continuation, then single-token decodes.
-        for t in [600, 5, 1, 1, 1] {
+        // A long prefill (several tiles and decode splits), a continuation after cached context,
+        // then single-token decodes.
+        for t in [600, 70, 1, 1, 1] {
             let q = pair(&g, t, heads * d, random(&mut rng, t * heads * d, 1.0));
             let k = pair(&g, t, kv_heads * d, random(&mut rng, t * kv_heads * d, 1.0));
             let v = pair(&g, t, kv_heads * d, random(&mut rng, t * kv_heads * d, 1.0));
             let got = g.attention(&q.gpu, &k.gpu, &v.gpu, &mut gc, pos, shape).unwrap();
             let want = c.attention(&q.cpu, &k.cpu, &v.cpu, &mut cc, pos, shape).unwrap();
             check(&g, &got, &want, 2e-2, &format!("attention heads {heads}/{kv_heads} d {d} T {t} at {pos}"));
+            pos += t;
+        }
+    }
+    // The fused q/k norm + rope + append before attention, against the CPU's separate steps.
+    for (heads, kv_heads, d, with_norm) in [(32, 8, 128, true), (4, 1, 16, false)] {
+        let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
+        let inv_freq = (0..d / 2).map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / d as f32)).collect();
+        let rope = Rope { head_dim: d, inv_freq };
+        let qn = pair(&g, 1, d, random(&mut rng, d, 1.5));
+        let kn = pair(&g, 1, d, random(&mut rng, d, 1.5));
+        let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
+        let mut pos = 0;
+        for t in [300, 1, 1] {
+            let q = pair(&g, t, heads * d, random(&mut rng, t * heads * d, 1.0));
+            let k = pair(&g, t, kv_heads * d, random(&mut rng, t * kv_heads * d, 1.0));
+            let v = pair(&g, t, kv_heads * d, random(&mut rng, t * kv_heads * d, 1.0));
+            let gn = QkNorms { q: with_norm.then_some(&qn.gpu), k: with_norm.then_some(&kn.gpu), eps: 1e-6 };
+            let cn = QkNorms { q: with_norm.then_some(&qn.cpu), k: with_norm.then_some(&kn.cpu), eps: 1e-6 };
+            let got = g.rotary_attention(q.gpu, k.gpu, &v.gpu, gn, &rope, &mut gc, pos, shape).unwrap();
+            let want = c.rotary_attention(q.cpu, k.cpu, &v.cpu, cn, &rope, &mut cc, pos, shape).unwrap();
+            check(&g, &got, &want, 2e-2, &format!("rotary_attention heads {heads}/{kv_heads} d {d} T {t} at {pos}"));
             pos += t;
         }
     }

@@ -8,6 +8,14 @@
 //   RDNA4           WMMA 16x16x16, gfx12 layout (wave32)
 //   CDNA2/3         MFMA 16x16x16 (wave64)
 //   anything else   a plain loop over shared memory (same results up to rounding order)
+//
+// Fragment API, for kernels that reuse operands across several products (a warp tile of
+// TM x TN 16x16 tiles loads TM + TN fragments per 16-wide k step instead of 2 * TM * TN):
+//   mma_frag_t f;  mma_load_a(f, A, lda);  mma_load_b(f, B, ldb);  mma16_frag(acc, a, b);
+// computes what mma16(acc, A, lda, B, ldb) does (the scalar fallback may round in another order),
+// with the same accumulator layout.
+// A and B must be in shared memory with 16-byte aligned rows (lda, ldb multiples of 8, 16-byte
+// aligned tile origin): NVIDIA reads them with ldmatrix.
 #pragma once
 #include "portable.h"
 
@@ -37,6 +45,34 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
 __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 32) >> 2) + ((i & 2) ? 8 : 0); }
 __device__ __forceinline__ int mma_col(int i) { return (i >> 2) * 8 + (threadIdx.x % 4) * 2 + (i & 1); }
 
+// Four 8x8 bf16 matrices; matrix j's row addresses come from lanes 8j..8j+7, and lane l receives
+// row l/4, columns 2(l%4), +1 of each: the m16n8k16 operand layout.
+struct mma_frag_t { unsigned int r[4]; };
+__device__ __forceinline__ void mma_ldmatrix_x4(mma_frag_t& f, const bf16* row_addr) {
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(row_addr);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(s));
+}
+// a0..a3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
+    const int lane = threadIdx.x % 32;
+    mma_ldmatrix_x4(f, A + ((lane & 7) + ((lane >> 3) & 1) * 8) * lda + (lane >> 4) * 8);
+}
+// b0, b1 = (n 0-7, k 0-7), (n 0-7, k 8-15): the first n8 half's operand; b2, b3 the second's.
+__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) {
+    const int lane = threadIdx.x % 32;
+    mma_ldmatrix_x4(f, B + ((lane & 7) + (lane >> 4) * 8) * ldb + ((lane >> 3) & 1) * 8);
+}
+__device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(acc[h * 4 + 0]), "+f"(acc[h * 4 + 1]), "+f"(acc[h * 4 + 2]), "+f"(acc[h * 4 + 3])
+            : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2 * h]), "r"(b.r[2 * h + 1]));
+}
+
 #elif defined(ATLAS_HIP) && (defined(__gfx1100__) || defined(__gfx1101__) || defined(__gfx1102__) || \
                              defined(__gfx1103__) || defined(__gfx1150__) || defined(__gfx1151__)) && \
     __has_builtin(__builtin_amdgcn_wmma_f32_16x16x16_bf16_w32)
@@ -62,6 +98,22 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
 __device__ __forceinline__ int mma_row(int i) { return 2 * i + (threadIdx.x % 32) / 16; }
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
+struct mma_frag_t { short16_t v; };
+__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
+    const int r = threadIdx.x % 16;
+#pragma unroll
+    for (int k = 0; k < 16; k++) f.v[k] = (short)A[r * lda + k];
+}
+__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { mma_load_a(f, B, ldb); }
+__device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
+    float8_t c;
+#pragma unroll
+    for (int i = 0; i < 8; i++) c[i] = acc[i];
+    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a.v, b.v, c);
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = c[i];
+}
+
 #elif defined(ATLAS_HIP) && (defined(__gfx1200__) || defined(__gfx1201__)) && \
     __has_builtin(__builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12)
 #define MMA_ACC 8
@@ -85,6 +137,22 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
 }
 __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 32) / 16) * 8 + i; }
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
+
+struct mma_frag_t { short8_t v; };
+__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
+    const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 32) / 16) * 8;
+#pragma unroll
+    for (int k = 0; k < 8; k++) f.v[k] = (short)A[r * lda + k0 + k];
+}
+__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { mma_load_a(f, B, ldb); }
+__device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
+    float8_t c;
+#pragma unroll
+    for (int i = 0; i < 8; i++) c[i] = acc[i];
+    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(a.v, b.v, c);
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = c[i];
+}
 
 #elif defined(ATLAS_HIP) && (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
                              defined(__gfx942__) || defined(__gfx950__)) && \
@@ -111,6 +179,22 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
 __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 64) / 16) * 4 + i; }
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
+struct mma_frag_t { short4_t v; };
+__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
+    const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 64) / 16) * 4;
+#pragma unroll
+    for (int k = 0; k < 4; k++) f.v[k] = (short)A[r * lda + k0 + k];
+}
+__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { mma_load_a(f, B, ldb); }
+__device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
+    float4_t c;
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] = acc[i];
+    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a.v, b.v, c, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = c[i];
+}
+
 #else
 #define MMA_ACC (256 / WARP_SIZE)
 // No matrix cores: lane l computes elements l, l + WARP_SIZE, ... of the tile.
@@ -125,4 +209,26 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
 }
 __device__ __forceinline__ int mma_row(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) / 16; }
 __device__ __forceinline__ int mma_col(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) % 16; }
+
+// The "fragment" is just where the tile lies; the product reads shared memory as mma16 does.
+struct mma_frag_t { const bf16* p; int ld; };
+__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) { f.p = A; f.ld = lda; }
+__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { f.p = B; f.ld = ldb; }
+// Same sums as mma16, reading k in pairs (lda, ldb even) to halve the shared-memory loads.
+__device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
+#pragma unroll
+    for (int i = 0; i < MMA_ACC; i++) {
+        const int e = threadIdx.x % WARP_SIZE + i * WARP_SIZE, r = e / 16, c = e % 16;
+        const unsigned int* ar = (const unsigned int*)(a.p + r * a.ld);
+        const unsigned int* br = (const unsigned int*)(b.p + c * b.ld);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const unsigned int u = ar[k], v = br[k];
+            s += __uint_as_float(u << 16) * __uint_as_float(v << 16);
+            s += __uint_as_float(u & 0xffff0000u) * __uint_as_float(v & 0xffff0000u);
+        }
+        acc[i] += s;
+    }
+}
 #endif

@@ -39,6 +39,26 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+// Two floats to packed bf16 (lo in the low half), rounded to nearest even like f32_to_bf16: one
+// instruction on NVIDIA sm_80+, the bit operations elsewhere.
+__device__ __forceinline__ unsigned int bf16x2_pack(float lo, float hi) {
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
+#endif
+}
+
+// Launch bounds: at most `threads` per block, and on NVIDIA a register budget that lets
+// `min_blocks` blocks share an SM (HIP's second argument means something else, so it gets none).
+#if defined(ATLAS_HIP)
+#define ATLAS_LAUNCH_BOUNDS(threads, min_blocks) __attribute__((amdgpu_flat_work_group_size(1, threads)))
+#else
+#define ATLAS_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#endif
+
 // Sum over a warp; every lane gets the total. The butterfly order is fixed, so results are
 // reproducible run after run.
 __device__ __forceinline__ float warp_sum(float v) {

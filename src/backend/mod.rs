@@ -23,6 +23,34 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// A projection `x · weightᵀ (+ bias)`.
+pub struct Proj<'a, B: Backend + ?Sized> {
+    pub weight: &'a B::Weight,
+    pub bias: Option<&'a B::Tensor>,
+}
+
+/// Qwen3's per-head RMSNorm weights for q and k (None for Llama), with the norm's epsilon.
+pub struct QkNorms<'a, B: Backend + ?Sized> {
+    pub q: Option<&'a B::Tensor>,
+    pub k: Option<&'a B::Tensor>,
+    pub eps: f32,
+}
+
+/// What a decode step hands back to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepOutput {
+    /// Every logit, for sampling on the host.
+    Logits,
+    /// Only the index of the largest logit among the first `limit` (greedy decoding).
+    Argmax { limit: usize },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepResult {
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
 pub trait Backend: Send + Sync {
     /// Activations: a row-major `[rows, cols]` matrix with f32 semantics, one row per token.
     type Tensor: Send + Sync;
@@ -79,17 +107,33 @@ pub trait Backend: Send + Sync {
         self.add_assign(residual, &y)
     }
 
-    /// The gated MLP's first half: `silu(x · gateᵀ + gate_bias) * (x · upᵀ + up_bias)`. Backends fuse it.
-    fn silu_gate_up(
+    /// `rms_norm(x) · wᵢᵀ (+ biasᵢ)` for each projection of the same input (q, k and v). Backends fuse
+    /// the norm into the products and launch once.
+    fn norm_linears<const N: usize>(
         &self,
         x: &Self::Tensor,
-        gate: &Self::Weight,
-        gate_bias: Option<&Self::Tensor>,
-        up: &Self::Weight,
-        up_bias: Option<&Self::Tensor>,
+        norm: &Self::Tensor,
+        eps: f32,
+        projs: [Proj<'_, Self>; N],
+    ) -> Result<[Self::Tensor; N]> {
+        let xn = self.rms_norm(x, norm, eps)?;
+        let out = projs.iter().map(|p| self.linear(&xn, p.weight, p.bias)).collect::<Result<Vec<_>>>()?;
+        out.try_into().map_err(|_| crate::Error::InvalidArgument("norm_linears: projection count".into()))
+    }
+
+    /// The gated MLP's first half on the normalised input:
+    /// `silu(rms_norm(x) · gateᵀ + gate_bias) * (rms_norm(x) · upᵀ + up_bias)`. Backends fuse it.
+    fn norm_silu_gate_up(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Tensor,
+        eps: f32,
+        gate: Proj<'_, Self>,
+        up: Proj<'_, Self>,
     ) -> Result<Self::Tensor> {
-        let g = self.linear(x, gate, gate_bias)?;
-        let u = self.linear(x, up, up_bias)?;
+        let xn = self.rms_norm(x, norm, eps)?;
+        let g = self.linear(&xn, gate.weight, gate.bias)?;
+        let u = self.linear(&xn, up.weight, up.bias)?;
         self.silu_mul(&g, &u)
     }
 
@@ -101,10 +145,35 @@ pub trait Backend: Send + Sync {
         self.rope(x, rope, start_pos)
     }
 
+    /// A layer's attention from its projections: q/k norms, rotary embedding, the KV-cache append
+    /// and causal attention (see [`Backend::attention`]). Backends fuse the steps before attention.
+    #[allow(clippy::too_many_arguments)]
+    fn rotary_attention(
+        &self,
+        mut q: Self::Tensor,
+        mut k: Self::Tensor,
+        v: &Self::Tensor,
+        norms: QkNorms<'_, Self>,
+        rope: &Rope,
+        cache: &mut Self::KvCache,
+        start_pos: usize,
+        shape: AttentionShape,
+    ) -> Result<Self::Tensor> {
+        self.norm_rope(&mut q, norms.q, norms.eps, rope, start_pos)?;
+        self.norm_rope(&mut k, norms.k, norms.eps, rope, start_pos)?;
+        self.attention(&q, &k, v, cache, start_pos, shape)
+    }
+
+    /// Index of the largest of the first `limit` values of a `[1, n]` tensor (lowest index on ties).
+    fn argmax(&self, x: &Self::Tensor, limit: usize) -> Result<u32> {
+        let values = self.to_host(x)?;
+        Ok(crate::sampling::argmax(&values[..limit.min(values.len())]))
+    }
+
     /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
-    /// backend supports it. `replay_decode` runs the recorded step for (token, pos) and returns its
-    /// logits, or None when nothing is recorded.
-    fn replay_decode(&self, _token: u32, _pos: usize) -> Result<Option<Vec<f32>>> {
+    /// backend supports it. `replay_decode` runs the recorded step for (token, pos), or returns
+    /// None when nothing is recorded.
+    fn replay_decode(&self, _token: u32, _pos: usize, _want: StepOutput) -> Result<Option<StepResult>> {
         Ok(None)
     }
 
@@ -116,8 +185,9 @@ pub trait Backend: Send + Sync {
         _token: u32,
         _pos: usize,
         _vocab: usize,
+        _want: StepOutput,
         _step: &mut dyn FnMut() -> Result<Self::Tensor>,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<StepResult>> {
         Ok(None)
     }
 }

@@ -124,9 +124,15 @@ impl Engine {
         Self::from_parts(parts, opts, progress)
     }
 
-    /// A random-weight model of a real shape (`qwen3-8b`, ...) for benchmarks; no tokenizer.
-    pub fn load_synthetic(name: &str, opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
-        let source = SyntheticSource::new(name)?;
+    /// A random-weight model of a real shape (`qwen3-8b`, ...) in `format` ("bf16" or "fp8") for
+    /// benchmarks; no tokenizer.
+    pub fn load_synthetic(
+        name: &str,
+        format: &str,
+        opts: &EngineOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        let source = SyntheticSource::new(name, format)?;
         let parts = Parts {
             config: source.config().clone(),
             defaults: GenerationDefaults::default(),
@@ -135,7 +141,7 @@ impl Engine {
             store: Box::new(source),
         };
         let mut opts = opts.clone();
-        opts.model_dir = PathBuf::from(format!("synthetic:{name}"));
+        opts.model_dir = PathBuf::from(format!("synthetic:{name}:{format}"));
         Self::from_parts(parts, &opts, progress)
     }
 
@@ -236,6 +242,22 @@ impl Engine {
     /// Runs `tokens` at positions `start_pos..` on top of the first `start_pos` cached tokens and
     /// returns the last logits (benchmarks drive the model through this).
     pub fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
+        self.prepare_forward(tokens, start_pos)?;
+        let logits = self.model.forward(tokens, start_pos)?;
+        self.cached.extend_from_slice(tokens);
+        Ok(logits)
+    }
+
+    /// As [`Engine::forward`], but returns only the greedy next token (the argmax over every logit),
+    /// computed where the logits are: on a GPU only the id crosses to the host.
+    pub fn forward_greedy(&mut self, tokens: &[u32], start_pos: usize) -> Result<u32> {
+        self.prepare_forward(tokens, start_pos)?;
+        let token = self.model.forward_greedy(tokens, start_pos, usize::MAX)?;
+        self.cached.extend_from_slice(tokens);
+        Ok(token)
+    }
+
+    fn prepare_forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<()> {
         if start_pos > self.cached.len() {
             return Err(Error::InvalidArgument(format!(
                 "start position {start_pos} is past the {} cached tokens",
@@ -244,9 +266,7 @@ impl Engine {
         }
         self.check_fits(start_pos + tokens.len(), 0)?;
         self.cached.truncate(start_pos);
-        let logits = self.model.forward(tokens, start_pos)?;
-        self.cached.extend_from_slice(tokens);
-        Ok(logits)
+        Ok(())
     }
 
     /// Renders a conversation with the model's template and tokenizes it.
@@ -304,12 +324,22 @@ impl Engine {
         let reuse = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
         self.cached.truncate(reuse);
         let t0 = Instant::now();
-        let mut logits = self.model.forward(&prompt[reuse..], reuse)?;
+        // Plain greedy decoding takes the argmax where the logits are; anything else samples on
+        // the host from the downloaded logits.
+        let greedy = sampler.is_plain_greedy();
+        let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| {
+            if greedy {
+                return model.forward_greedy(tokens, pos, sampler.vocab_limit());
+            }
+            let mut logits = model.forward(tokens, pos)?;
+            Ok(sampler.sample(&mut logits, history, prompt.len()))
+        };
+        let mut history = prompt.clone();
+        let mut next = next_token(&mut self.model, &prompt[reuse..], reuse, &history)?;
         self.cached.extend_from_slice(&prompt[reuse..]);
         let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let t1 = Instant::now();
-        let mut history = prompt.clone();
         let mut out = Generation {
             tokens: Vec::new(),
             text: String::new(),
@@ -321,7 +351,6 @@ impl Engine {
         };
         let mut stopped_by_string = false;
         while out.tokens.len() < max_tokens {
-            let next = sampler.sample(&mut logits, &history, prompt.len());
             history.push(next);
             if !req.ignore_eos && self.eos_ids().contains(&next) {
                 out.finish_reason = FinishReason::Stop;
@@ -339,8 +368,9 @@ impl Engine {
             if out.tokens.len() == max_tokens {
                 break;
             }
-            logits = self.model.forward(&[next], self.cached.len())?;
-            self.cached.push(next);
+            let pos = self.cached.len();
+            next = next_token(&mut self.model, &[next], pos, &history)?;
+            self.cached.push(history[history.len() - 1]);
         }
         if let (Some(tok), false) = (text_tokenizer, stopped_by_string) {
             let tail = detok.finish(tok)?;

@@ -13,15 +13,31 @@ use serde_json::Value;
 pub use config::{Architecture, ModelConfig};
 pub use weights::{LoadProgress, WeightSource};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StepOutput, StepResult};
 use crate::{Error, Result};
 
 /// A model bound to a backend with its own KV cache: what the engine drives.
 pub trait LanguageModel: Send {
     fn config(&self) -> &ModelConfig;
-    /// Runs `tokens` at positions `start_pos..` and returns the last position's logits. Positions
-    /// from `start_pos` on are overwritten; earlier ones must come from earlier calls.
-    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>>;
+    /// Runs `tokens` at positions `start_pos..` and returns the last position's logits, or only
+    /// their argmax (computed where the logits are). Positions from `start_pos` on are overwritten;
+    /// earlier ones must come from earlier calls.
+    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult>;
+
+    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
+        match self.step(tokens, start_pos, StepOutput::Logits)? {
+            StepResult::Logits(l) => Ok(l),
+            StepResult::Token(_) => Err(Error::Device("the backend returned a token instead of logits".into())),
+        }
+    }
+
+    /// The greedy next token: the largest of the first `limit` logits.
+    fn forward_greedy(&mut self, tokens: &[u32], start_pos: usize, limit: usize) -> Result<u32> {
+        match self.step(tokens, start_pos, StepOutput::Argmax { limit })? {
+            StepResult::Token(t) => Ok(t),
+            StepResult::Logits(l) => Ok(crate::sampling::argmax(&l[..limit.min(l.len())])),
+        }
+    }
     fn backend_description(&self) -> String;
 }
 
@@ -52,22 +68,26 @@ impl<B: Backend> LanguageModel for Bound<B> {
         &self.model.config
     }
 
-    fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
+    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("no tokens to run".into()));
         }
         let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
         if let ([token], true) = (tokens, self.passes > 0) {
-            if let Some(logits) = b.replay_decode(*token, start_pos)? {
-                return Ok(logits);
+            if let Some(out) = b.replay_decode(*token, start_pos, want)? {
+                return Ok(out);
             }
             let mut step = || model.forward(b, tokens, start_pos, cache);
-            if let Some(logits) = b.record_decode(*token, start_pos, model.config.vocab_size, &mut step)? {
-                return Ok(logits);
+            if let Some(out) = b.record_decode(*token, start_pos, model.config.vocab_size, want, &mut step)? {
+                return Ok(out);
             }
         }
         self.passes += 1;
-        b.to_host(&model.forward(b, tokens, start_pos, cache)?)
+        let logits = model.forward(b, tokens, start_pos, cache)?;
+        Ok(match want {
+            StepOutput::Logits => StepResult::Logits(b.to_host(&logits)?),
+            StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
+        })
     }
 
     fn backend_description(&self) -> String {

@@ -4,10 +4,12 @@
 //! Per layer, with T new tokens and H = hidden_size:
 //!   h   = x + o_proj(attn(rope(q_norm(q_proj(norm(x)))), rope(k_norm(k_proj(norm(x)))), v_proj(norm(x))))
 //!   out = h + down_proj(silu(gate_proj(norm(h))) * up_proj(norm(h)))
+//! The backend calls take the un-normalised x with the norm's weight, so GPUs can fuse the norm
+//! into the products.
 
 use super::config::{ModelConfig, RopeScaling};
 use super::weights::{LoadProgress, WeightSource};
-use crate::backend::{AttentionShape, Backend, Rope};
+use crate::backend::{AttentionShape, Backend, Proj, QkNorms, Rope};
 use crate::Result;
 
 struct Linear<B: Backend> {
@@ -138,29 +140,27 @@ impl<B: Backend> Qwen3<B> {
 
     /// Runs `tokens` at positions `start_pos..` and returns the logits of the last one
     /// (`[1, vocab_size]`, on the backend). The cache must hold positions `0..start_pos`.
-    pub fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [B::KvCache]) -> Result<B::Tensor> {
+    pub fn forward<'a>(&'a self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [B::KvCache]) -> Result<B::Tensor> {
         let c = &self.config;
         let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
-        let linear = |x: &B::Tensor, l: &Linear<B>| b.linear(x, &l.weight, l.bias.as_ref());
+        let eps = c.rms_norm_eps;
+        let proj = |l: &'a Linear<B>| Proj { weight: &l.weight, bias: l.bias.as_ref() };
 
         let mut x = b.embed(&self.embed_tokens, tokens)?; // [T, H]
         for (layer, kv) in self.layers.iter().zip(cache.iter_mut()) {
             let attn = &layer.self_attn;
-            let xn = b.rms_norm(&x, &layer.input_layernorm, c.rms_norm_eps)?;
-            let mut q = linear(&xn, &attn.q_proj)?; // [T, heads * head_dim]
-            let mut k = linear(&xn, &attn.k_proj)?; // [T, kv_heads * head_dim]
-            let v = linear(&xn, &attn.v_proj)?;
-            b.norm_rope(&mut q, attn.q_norm.as_ref(), c.rms_norm_eps, &self.rope, start_pos)?;
-            b.norm_rope(&mut k, attn.k_norm.as_ref(), c.rms_norm_eps, &self.rope, start_pos)?;
-            let o = b.attention(&q, &k, &v, kv, start_pos, shape)?; // [T, heads * head_dim]
+            // [T, heads * head_dim], [T, kv_heads * head_dim] twice
+            let [q, k, v] =
+                b.norm_linears(&x, &layer.input_layernorm, eps, [proj(&attn.q_proj), proj(&attn.k_proj), proj(&attn.v_proj)])?;
+            let norms = QkNorms { q: attn.q_norm.as_ref(), k: attn.k_norm.as_ref(), eps };
+            let o = b.rotary_attention(q, k, &v, norms, &self.rope, kv, start_pos, shape)?; // [T, heads * head_dim]
             b.linear_add(&o, &attn.o_proj.weight, attn.o_proj.bias.as_ref(), &mut x)?; // x += o_proj(o)
 
-            let xn = b.rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)?;
-            let (gate, up, down) = (&layer.mlp.gate_proj, &layer.mlp.up_proj, &layer.mlp.down_proj);
-            let h = b.silu_gate_up(&xn, &gate.weight, gate.bias.as_ref(), &up.weight, up.bias.as_ref())?; // [T, ffn]
-            b.linear_add(&h, &down.weight, down.bias.as_ref(), &mut x)?; // x += down_proj(h)
+            let mlp = &layer.mlp;
+            let h = b.norm_silu_gate_up(&x, &layer.post_attention_layernorm, eps, proj(&mlp.gate_proj), proj(&mlp.up_proj))?; // [T, ffn]
+            b.linear_add(&h, &mlp.down_proj.weight, mlp.down_proj.bias.as_ref(), &mut x)?; // x += down_proj(h)
         }
-        let last = b.rms_norm(&b.last_row(&x)?, &self.norm, c.rms_norm_eps)?; // [1, H]
+        let last = b.rms_norm(&b.last_row(&x)?, &self.norm, eps)?; // [1, H]
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         b.linear(&last, head, None)
     }

@@ -1,15 +1,18 @@
 //! Random-weight models of real shapes, for benchmarks that need no download: `qwen3-8b` is the
-//! Qwen3-8B architecture with hash-generated bf16 weights (see quant::synthetic), made on the
-//! device by GPU backends.
+//! Qwen3-8B architecture with hash-generated bf16 or fp8 weights (see quant::synthetic), made on
+//! the device by GPU backends.
 
 use super::config::{Architecture, ModelConfig, RopeScaling};
 use super::weights::WeightSource;
 use crate::quant::synthetic::SyntheticMatrix;
-use crate::quant::QuantMatrix;
+use crate::quant::{DType, QuantMatrix};
 use crate::{Error, Result};
 
 pub struct SyntheticSource {
     config: ModelConfig,
+    /// BF16, or F8E4M3 for the projections (embeddings and lm_head stay bf16, as in Qwen's FP8
+    /// checkpoints).
+    dtype: DType,
 }
 
 /// (name, hidden, ffn, layers, heads, kv heads, head_dim, vocab, tied)
@@ -21,7 +24,13 @@ const SHAPES: [(&str, usize, usize, usize, usize, usize, usize, usize, bool); 4]
 ];
 
 impl SyntheticSource {
-    pub fn new(name: &str) -> Result<Self> {
+    /// `format`: "bf16" or "fp8".
+    pub fn new(name: &str, format: &str) -> Result<Self> {
+        let dtype = match format {
+            "bf16" => DType::BF16,
+            "fp8" => DType::F8E4M3,
+            other => return Err(Error::InvalidArgument(format!("synthetic format {other:?} (bf16 or fp8)"))),
+        };
         let &(_, hidden, ffn, layers, heads, kv, head_dim, vocab, tied) =
             SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
                 let names: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
@@ -47,7 +56,7 @@ impl SyntheticSource {
             bos_token_id: None,
             eos_token_ids: vec![151_645],
         };
-        Ok(SyntheticSource { config })
+        Ok(SyntheticSource { config, dtype })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -63,7 +72,11 @@ fn seed_of(name: &str) -> u64 {
 impl WeightSource for SyntheticSource {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
         // Scaled so activations keep a unit-ish size through the layers.
-        Ok(Box::new(SyntheticMatrix::new(rows, cols, seed_of(name), 1.0 / (cols as f32).sqrt())))
+        let projection = name.starts_with("model.layers.");
+        let dtype = if projection { self.dtype } else { DType::BF16 };
+        // fp8 codes reach 1.875 (bf16 values stay below 1): a smaller scale keeps the same spread.
+        let scale = if dtype == DType::F8E4M3 { 0.5 } else { 1.0 } / (cols as f32).sqrt();
+        Ok(Box::new(SyntheticMatrix::new(rows, cols, seed_of(name), scale, dtype)))
     }
 
     fn vector(&self, _name: &str, len: usize) -> Result<Vec<f32>> {

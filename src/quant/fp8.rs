@@ -56,6 +56,10 @@ impl QuantMatrix for Fp8BlockMatrix {
         self.data.len() + self.scales.len() * 4
     }
 
+    fn fp8_blocks(&self) -> Option<(&[u8], &[f32])> {
+        Some((&self.data, &self.scales))
+    }
+
     fn dequant_row(&self, row: usize, out: &mut [f32]) {
         let scale_row = &self.scales[(row / FP8_BLOCK) * self.cols.div_ceil(FP8_BLOCK)..];
         for (c, (o, b)) in out.iter_mut().zip(&self.data[row * self.cols..(row + 1) * self.cols]).enumerate() {

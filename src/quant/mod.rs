@@ -58,6 +58,11 @@ pub trait QuantMatrix: Send + Sync + std::fmt::Debug {
     fn synthetic(&self) -> Option<(u64, f32)> {
         None
     }
+    /// The E4M3 codes (`rows * cols`) and the scale grid of an FP8 block-scaled matrix, for backends
+    /// that keep the format as it is.
+    fn fp8_blocks(&self) -> Option<(&[u8], &[f32])> {
+        None
+    }
 }
 
 /// Dot product with a fixed summation order (eight interleaved partial sums, then a fixed tree), so

@@ -1,7 +1,10 @@
-//! Synthetic weights for benchmarks: value i of a matrix is a hash of (seed, i) mapped to
-//! [-scale, scale) and rounded to bf16, so the CPU and every GPU make the same matrix without
-//! storing it. The GPU twin is `fill_random_bf16` in kernels/elementwise.hip.
+//! Synthetic weights for benchmarks: element i of a matrix is a hash of (seed, i), so the CPU and
+//! every GPU make the same matrix without storing it. In bf16, the hash is mapped to
+//! [-scale, scale) and rounded to bf16; in fp8, it gives an E4M3 code of magnitude below 1.875 and
+//! every 128×128 block has the scale `scale`. The GPU twins are `fill_random_bf16` and
+//! `fill_random_fp8` in kernels/elementwise.hip.
 
+use super::fp8::{e4m3_to_f32, FP8_BLOCK};
 use super::{DType, QuantMatrix};
 
 #[derive(Debug, Clone)]
@@ -10,22 +13,34 @@ pub struct SyntheticMatrix {
     cols: usize,
     seed: u64,
     scale: f32,
+    dtype: DType,
 }
 
 impl SyntheticMatrix {
-    pub fn new(rows: usize, cols: usize, seed: u64, scale: f32) -> Self {
-        SyntheticMatrix { rows, cols, seed, scale }
+    /// `dtype`: BF16 or F8E4M3.
+    pub fn new(rows: usize, cols: usize, seed: u64, scale: f32, dtype: DType) -> Self {
+        debug_assert!(matches!(dtype, DType::BF16 | DType::F8E4M3));
+        SyntheticMatrix { rows, cols, seed, scale, dtype }
     }
 }
 
-/// The value at flat index `i` (splitmix64 of seed + i·golden ratio).
-pub fn value(seed: u64, i: u64, scale: f32) -> f32 {
+fn hash(seed: u64, i: u64) -> u64 {
     let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    let u = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+    z ^ (z >> 31)
+}
+
+/// The bf16 value at flat index `i` (splitmix64 of seed + i·golden ratio).
+pub fn value(seed: u64, i: u64, scale: f32) -> f32 {
+    let u = (hash(seed, i) >> 40) as f32 * (1.0 / 16_777_216.0);
     half::bf16::from_f32((2.0 * u - 1.0) * scale).to_f32()
+}
+
+/// The E4M3 code at flat index `i`: a random sign and a magnitude code below 0x40.
+pub fn fp8_code(seed: u64, i: u64) -> u8 {
+    let z = hash(seed, i);
+    (((z >> 56) & 0x80) | ((z >> 40) & 0x3f)) as u8
 }
 
 impl QuantMatrix for SyntheticMatrix {
@@ -38,17 +53,23 @@ impl QuantMatrix for SyntheticMatrix {
     }
 
     fn dtype(&self) -> DType {
-        DType::BF16
+        self.dtype
     }
 
     fn storage_bytes(&self) -> usize {
-        self.rows * self.cols * 2
+        match self.dtype {
+            DType::F8E4M3 => self.rows * self.cols + self.rows.div_ceil(FP8_BLOCK) * self.cols.div_ceil(FP8_BLOCK) * 4,
+            _ => self.rows * self.cols * 2,
+        }
     }
 
     fn dequant_row(&self, row: usize, out: &mut [f32]) {
         let base = (row * self.cols) as u64;
         for (c, o) in out.iter_mut().enumerate() {
-            *o = value(self.seed, base + c as u64, self.scale);
+            *o = match self.dtype {
+                DType::F8E4M3 => e4m3_to_f32(fp8_code(self.seed, base + c as u64)) * self.scale,
+                _ => value(self.seed, base + c as u64, self.scale),
+            };
         }
     }
 

@@ -1,6 +1,6 @@
 //! The GPU backend: the Backend trait over a vendor runtime (CUDA today, HIP through the same
-//! kernels). Activations are f32, weights bf16 (other formats are converted at upload), the KV
-//! cache bf16.
+//! kernels). Activations are f32, weights bf16 or FP8 block-scaled (other formats are converted
+//! to bf16 at upload), the KV cache bf16.
 
 pub mod cuda;
 pub mod hip;
@@ -12,8 +12,9 @@ use half::bf16;
 use rayon::prelude::*;
 
 use self::runtime::{Arg, Runtime};
-use super::{AttentionShape, Backend, Rope};
-use crate::quant::QuantMatrix;
+use super::{AttentionShape, Backend, Proj, QkNorms, Rope, StepOutput, StepResult};
+use crate::quant::fp8::FP8_BLOCK;
+use crate::quant::{DType, QuantMatrix};
 use crate::{Error, Result};
 
 /// A device allocation, freed when dropped; or a slice of the recording arena, which is not.
@@ -47,11 +48,42 @@ pub struct GpuTensor {
     pub cols: usize,
 }
 
-/// A bf16 weight matrix `[rows, cols]` on the device.
+/// A weight matrix `[rows, cols]` on the device, in bf16 or kept in FP8 block-scaled form.
 pub struct GpuWeight {
     buf: DeviceBuffer,
     rows: usize,
     cols: usize,
+    format: WeightFormat,
+}
+
+enum WeightFormat {
+    Bf16,
+    /// E4M3 codes in `buf`, f32 scales `[ceil(rows/128), ceil(cols/128)]` here.
+    Fp8 { scales: DeviceBuffer },
+}
+
+impl GpuWeight {
+    fn scales(&self) -> u64 {
+        match &self.format {
+            WeightFormat::Bf16 => 0,
+            WeightFormat::Fp8 { scales } => scales.ptr,
+        }
+    }
+
+    fn is_fp8(&self) -> bool {
+        matches!(self.format, WeightFormat::Fp8 { .. })
+    }
+
+    /// Kernel name for this format: `{stem}_bf16` or `{stem}_fp8`.
+    fn kernel(&self, stem: &str) -> String {
+        format!("{stem}_{}", if self.is_fp8() { "fp8" } else { "bf16" })
+    }
+
+    /// Whether the one-token kernels take it with an input of `cols` values: whole 16-byte chunks.
+    fn gemv1_fits(&self) -> bool {
+        let per_chunk = if self.is_fp8() { 16 } else { 8 };
+        self.cols % per_chunk == 0
+    }
 }
 
 pub struct GpuKvCache {
@@ -63,6 +95,9 @@ pub struct GpuKvCache {
 
 pub struct GpuBackend {
     rt: Arc<dyn Runtime>,
+    /// Tickets of the kernels whose last block finishes the work (attention_decode's splits, one
+    /// per kv head, then argmax's), each left at zero by its launch; then argmax's partial results.
+    tickets: Mutex<Option<DeviceBuffer>>,
     /// The rotary frequency table on the device, uploaded once (every layer uses the same one).
     rope_table: Mutex<Option<(Vec<f32>, GpuTensor)>>,
     decode: Mutex<DecodeGraph>,
@@ -73,8 +108,11 @@ pub struct GpuBackend {
 /// whole cache, so one recording serves every later step.
 struct DecodeGraph {
     recording: bool,
+    /// Device [token, pos, argmax limit].
     inputs: Option<DeviceBuffer>,
     logits: Option<GpuTensor>,
+    /// The recorded step's argmax.
+    token: Option<DeviceBuffer>,
     exec: Option<u64>,
     /// Temporaries of the recorded step come from this arena, so the graph holds kernels only,
     /// no allocation nodes. Too small an arena still records (with allocation nodes) and is
@@ -88,8 +126,25 @@ const INITIAL_ARENA: usize = 64 << 20;
 
 const BLOCK: u32 = 256;
 const GEMV_MAX_T: usize = 8;
-/// Positions per attention block before the work is split across more blocks.
+/// Launch shapes fixed by the kernels (their #defines).
+const GEMV_THREADS: u32 = 256;
+const GEMV_ROWS: u32 = 2;
+const GEMM_BM: usize = 128;
+const GEMM_BN: usize = 128;
+const GEMM_THREADS: u32 = 256;
+const FA_BQ: usize = 64;
+const FA_THREADS: u32 = 128;
+const DEC_THREADS: u32 = 256;
+const DEC_MAX_QD: usize = 2048;
+/// Largest input the one-token kernels normalise into shared memory (48 KB with their scratch).
+const GEMV_MAX_STAGED: usize = 12_224;
+/// Decode attention: one split per this many cached positions (at most ATTENTION_MAX_SPLITS),
+/// tiles of DEC_TILE positions.
 const ATTENTION_CHUNK: usize = 256;
+const DEC_TILE: usize = 32;
+const ATTENTION_MAX_SPLITS: usize = 128;
+const MAX_KV_HEADS: usize = 1024;
+const ARGMAX_BLOCKS: u32 = 128;
 
 fn blocks(n: usize, per: u32) -> u32 {
     n.div_ceil(per as usize) as u32
@@ -101,12 +156,13 @@ impl GpuBackend {
             recording: false,
             inputs: None,
             logits: None,
+            token: None,
             exec: None,
             arena: None,
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, rope_table: Mutex::new(None), decode: Mutex::new(decode) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode) }
     }
 
     fn decode_state(&self) -> std::sync::MutexGuard<'_, DecodeGraph> {
@@ -119,15 +175,20 @@ impl GpuBackend {
         d.recording.then(|| d.inputs.as_ref().map(|b| b.ptr)).flatten()
     }
 
-    fn set_inputs(&self, token: u32, pos: usize) -> Result<u64> {
+    fn set_inputs(&self, token: u32, pos: usize, want: StepOutput) -> Result<u64> {
         let mut d = self.decode_state();
         if d.inputs.is_none() {
-            d.inputs = Some(DeviceBuffer::new(&self.rt, 8)?);
+            d.inputs = Some(DeviceBuffer::new(&self.rt, 12)?);
         }
         let ptr = d.inputs.as_ref().map_or(0, |b| b.ptr);
-        let mut bytes = [0u8; 8];
+        let limit = match want {
+            StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
+            StepOutput::Logits => i32::MAX,
+        };
+        let mut bytes = [0u8; 12];
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
-        bytes[4..].copy_from_slice(&(pos as i32).to_le_bytes());
+        bytes[4..8].copy_from_slice(&(pos as i32).to_le_bytes());
+        bytes[8..].copy_from_slice(&limit.to_le_bytes());
         drop(d);
         self.rt.upload(ptr, &bytes)?;
         Ok(ptr)
@@ -156,18 +217,157 @@ impl GpuBackend {
         Ok(table.as_ref().map_or(0, |(_, t)| t.buf.ptr))
     }
 
-    /// One-token product `y = x · wᵀ (+ bias) (+ residual)`; `residual` may be `y` itself.
-    fn gemv1(&self, x: &GpuTensor, w: &GpuWeight, bias: Option<&GpuTensor>, residual: Option<u64>, y: u64) -> Result<()> {
-        let args = [
-            Arg::Ptr(w.buf.ptr),
-            Arg::Ptr(x.buf.ptr),
-            Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)),
-            Arg::Ptr(residual.unwrap_or(0)),
-            Arg::Ptr(y),
-            Arg::I32(w.rows as i32),
-            Arg::I32(w.cols as i32),
-        ];
-        self.rt.launch("gemv1_bf16", [blocks(w.rows, BLOCK / self.rt.warp_size()), 1, 1], [BLOCK, 1, 1], 0, &args)
+    /// One-token products of one input with up to three weights of one format (q, k, v), each
+    /// `(weight, bias, output)`; `norm` RMS-normalises the input first; `residual` (may be the first
+    /// output) is added to the first product.
+    fn gemv1(
+        &self,
+        x: &GpuTensor,
+        projs: &[(&GpuWeight, Option<&GpuTensor>, u64)],
+        norm: Option<(&GpuTensor, f32)>,
+        residual: Option<u64>,
+    ) -> Result<()> {
+        let mut args = Vec::with_capacity(20);
+        let seg = |i: usize| projs.get(i);
+        args.extend((0..3).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.buf.ptr))));
+        args.extend((0..3).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.scales()))));
+        args.extend((0..3).map(|i| Arg::Ptr(seg(i).and_then(|p| p.1).map_or(0, |b| b.buf.ptr))));
+        args.extend((0..3).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.2))));
+        args.extend((0..3).map(|i| Arg::I32(seg(i).map_or(0, |p| p.0.rows as i32))));
+        let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
+        args.extend([Arg::Ptr(x.buf.ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual.unwrap_or(0)), Arg::I32(x.cols as i32)]);
+        let rows: usize = projs.iter().map(|p| p.0.rows).sum();
+        let shared = if norm.is_some() { x.cols as u32 * 4 } else { 0 };
+        let grid = [blocks(rows, GEMV_ROWS * GEMV_THREADS / self.rt.warp_size()), 1, 1];
+        self.rt.launch(&projs[0].0.kernel("gemv1"), grid, [GEMV_THREADS, 1, 1], shared, &args)
+    }
+
+    /// `y = x · wᵀ (+ bias) (+ residual)` for any number of rows; `residual` may be `y` itself.
+    fn matmul(&self, x: &GpuTensor, w: &GpuWeight, bias: Option<&GpuTensor>, residual: Option<u64>, y: u64) -> Result<()> {
+        let (n, k, t) = (w.rows, w.cols, x.rows);
+        if x.cols != k {
+            return Err(Error::InvalidArgument(format!("linear: input width {} but weight has {k} columns", x.cols)));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        if t == 1 && w.gemv1_fits() {
+            return self.gemv1(x, &[(w, bias, y)], None, residual);
+        }
+        let common = [Arg::Ptr(x.buf.ptr), Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)), Arg::Ptr(residual.unwrap_or(0)), Arg::Ptr(y)];
+        let sizes = [Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32)];
+        if t <= GEMV_MAX_T && !w.is_fp8() && k % 8 == 0 {
+            let args: Vec<Arg> = [Arg::Ptr(w.buf.ptr)].into_iter().chain(common).chain(sizes).collect();
+            let grid = [blocks(n, BLOCK / self.rt.warp_size()), 1, 1];
+            return self.rt.launch("gemv_bf16", grid, [BLOCK, 1, 1], 0, &args);
+        }
+        let mut args = vec![Arg::Ptr(w.buf.ptr)];
+        if w.is_fp8() {
+            args.push(Arg::Ptr(w.scales()));
+        }
+        args.extend(common.into_iter().chain(sizes));
+        let grid = [blocks(n, GEMM_BN as u32), blocks(t, GEMM_BM as u32), 1];
+        self.rt.launch(&w.kernel("gemm"), grid, [GEMM_THREADS, 1, 1], 0, &args)
+    }
+
+    /// The tickets buffer (see `tickets`), made with the first KV cache, never while a step is
+    /// recorded: [attention tickets; MAX_KV_HEADS], [argmax ticket], [argmax values; ARGMAX_BLOCKS],
+    /// [argmax indices; ARGMAX_BLOCKS].
+    fn tickets(&self) -> Result<u64> {
+        const BYTES: usize = (MAX_KV_HEADS + 1 + 2 * ARGMAX_BLOCKS as usize) * 4;
+        let mut c = self.tickets.lock().unwrap_or_else(|p| p.into_inner());
+        if c.is_none() {
+            let buf = DeviceBuffer::new(&self.rt, BYTES)?;
+            self.rt.upload(buf.ptr, &[0u8; BYTES])?;
+            *c = Some(buf);
+        }
+        Ok(c.as_ref().map_or(0, |b| b.ptr))
+    }
+
+    /// Causal attention of `q` over the cache, whose rows `0..start_pos + q.rows` are written.
+    fn attend(&self, q: &GpuTensor, cache: &GpuKvCache, start_pos: usize, shape: AttentionShape) -> Result<GpuTensor> {
+        let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
+        let t = q.rows;
+        let pos_dev = self.recorded_inputs().map(|p| p + 4);
+        let out = self.tensor(t, num_heads * d)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let group = num_heads / num_kv_heads;
+        if t == 1 && group * d <= DEC_MAX_QD && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
+            // A recording must fit every later position: it covers the whole cache. Long contexts
+            // get a split per ATTENTION_CHUNK positions, short ones up to 16 splits of a tile.
+            let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + 1 };
+            let splits = longest
+                .div_ceil(ATTENTION_CHUNK)
+                .max(longest.div_ceil(DEC_TILE).min(16))
+                .min(ATTENTION_MAX_SPLITS);
+            let partial = self.scratch(num_heads * splits * (d + 2) * 4)?;
+            let args = [
+                Arg::Ptr(q.buf.ptr),
+                Arg::Ptr(cache.keys.ptr),
+                Arg::Ptr(cache.values.ptr),
+                Arg::Ptr(partial.ptr),
+                Arg::Ptr(self.tickets()?),
+                Arg::Ptr(out.buf.ptr),
+                Arg::I32(start_pos as i32),
+                Arg::Ptr(pos_dev.unwrap_or(0)),
+                Arg::I32(num_heads as i32),
+                Arg::I32(num_kv_heads as i32),
+                Arg::I32(d as i32),
+                Arg::F32(scale),
+            ];
+            self.rt.launch("attention_decode", [num_kv_heads as u32, splits as u32, 1], [DEC_THREADS, 1, 1], 0, &args)?;
+        } else {
+            let args = [
+                Arg::Ptr(q.buf.ptr),
+                Arg::Ptr(cache.keys.ptr),
+                Arg::Ptr(cache.values.ptr),
+                Arg::Ptr(out.buf.ptr),
+                Arg::I32(start_pos as i32),
+                Arg::I32(t as i32),
+                Arg::I32(num_heads as i32),
+                Arg::I32(num_kv_heads as i32),
+                Arg::I32(d as i32),
+                Arg::F32(scale),
+            ];
+            self.rt.launch("flash_attention", [blocks(t, FA_BQ as u32), num_heads as u32, 1], [FA_THREADS, 1, 1], 0, &args)?;
+        }
+        Ok(out)
+    }
+
+    /// Checks an attention call's widths and makes room in the cache; returns the device position
+    /// pointer of a recorded step (0 otherwise).
+    fn prepare_attention(&self, q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, cache: &mut GpuKvCache, start_pos: usize, shape: AttentionShape) -> Result<u64> {
+        let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
+        let width = cache.width;
+        if k.cols != width || v.cols != width || q.cols != num_heads * d || num_kv_heads * d != width
+            || num_kv_heads == 0 || num_heads % num_kv_heads != 0 || k.rows != q.rows || v.rows != q.rows
+        {
+            return Err(Error::InvalidArgument("attention: q/k/v widths disagree with the shape".into()));
+        }
+        if d % 16 != 0 || d > 256 {
+            return Err(Error::Unsupported(format!("head_dim {d} on the GPU (a multiple of 16, at most 256)")));
+        }
+        let recorded = self.recorded_inputs();
+        if recorded.is_some() && start_pos + q.rows > cache.capacity {
+            return Err(Error::ContextOverflow(format!("position {} is past the KV cache", start_pos + q.rows)));
+        }
+        self.grow_cache(cache, start_pos + q.rows)?;
+        Ok(recorded.map_or(0, |p| p + 4))
+    }
+
+    /// What the last run of the recorded step left: its logits or its argmax.
+    fn recorded_output(&self, want: StepOutput) -> Result<StepResult> {
+        let d = self.decode_state();
+        match want {
+            StepOutput::Logits => {
+                let logits = d.logits.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
+                Ok(StepResult::Logits(self.to_host(logits)?))
+            }
+            StepOutput::Argmax { .. } => {
+                let token = d.token.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
+                Ok(StepResult::Token(self.download_token(token.ptr)?))
+            }
+        }
     }
 
     fn forget_recording(&self) {
@@ -202,13 +402,27 @@ impl GpuBackend {
         Ok(t)
     }
 
-    /// Index of the largest logit among the first `limit` of a `[1, n]` tensor, computed on the device.
-    pub fn argmax(&self, logits: &GpuTensor, limit: usize) -> Result<u32> {
-        let out = DeviceBuffer::new(&self.rt, 4)?;
-        let args = [Arg::Ptr(logits.buf.ptr), Arg::I32(logits.cols as i32), Arg::I32(limit.min(i32::MAX as usize) as i32), Arg::Ptr(out.ptr)];
-        self.rt.launch("argmax", [1, 1, 1], [1024, 1, 1], 0, &args)?;
+    /// Queues the argmax of the first `limit` (or *limit_dev) logits into `out` (one i32).
+    fn launch_argmax(&self, logits: &GpuTensor, limit: usize, limit_dev: u64, out: u64) -> Result<()> {
+        let limit = Arg::I32(limit.min(i32::MAX as usize) as i32);
+        let ticket = self.tickets()? + MAX_KV_HEADS as u64 * 4;
+        let (part_v, part_i) = (ticket + 4, ticket + 4 + u64::from(ARGMAX_BLOCKS) * 4);
+        let args = [
+            Arg::Ptr(logits.buf.ptr),
+            Arg::I32(logits.cols as i32),
+            limit,
+            Arg::Ptr(limit_dev),
+            Arg::Ptr(part_v),
+            Arg::Ptr(part_i),
+            Arg::Ptr(ticket),
+            Arg::Ptr(out),
+        ];
+        self.rt.launch("argmax", [ARGMAX_BLOCKS, 1, 1], [256, 1, 1], 0, &args)
+    }
+
+    fn download_token(&self, ptr: u64) -> Result<u32> {
         let mut id = [0u8; 4];
-        self.rt.download(out.ptr, &mut id)?;
+        self.rt.download(ptr, &mut id)?;
         Ok(u32::from_le_bytes(id))
     }
 
@@ -265,29 +479,46 @@ impl Backend for GpuBackend {
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<GpuWeight> {
         let (rows, cols) = (w.rows(), w.cols());
-        let buf = DeviceBuffer::new(&self.rt, rows * cols * 2)?;
+        let scale_grid = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
+        // FP8 checkpoints stay FP8 on the device: half the bytes to stream per token.
+        if let Some((codes, scales)) = w.fp8_blocks() {
+            let buf = DeviceBuffer::new(&self.rt, codes.len())?;
+            self.rt.upload(buf.ptr, codes)?;
+            let scales = self.upload_f32(1, scales.len(), scales)?.buf;
+            return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Fp8 { scales } });
+        }
         if let Some((seed, scale)) = w.synthetic() {
             // Random weights for benchmarks are made where they are used: no host copy of gigabytes.
-            let n = (rows * cols) as i64;
-            let args = [Arg::Ptr(buf.ptr), Arg::I64(n), Arg::U64(seed), Arg::F32(scale)];
-            self.rt.launch("fill_random_bf16", [blocks(rows * cols, BLOCK).min(65535 * 8), 1, 1], [BLOCK, 1, 1], 0, &args)?;
-        } else {
-            // Every other format is widened on the host (in parallel) and stored as bf16.
-            let mut host = vec![bf16::ZERO; rows * cols];
-            host.par_chunks_mut(cols).enumerate().for_each_init(
-                || vec![0f32; cols],
-                |row_buf, (r, out)| {
-                    w.dequant_row(r, row_buf);
-                    for (o, v) in out.iter_mut().zip(row_buf.iter()) {
-                        *o = bf16::from_f32(*v);
-                    }
-                },
-            );
-            // SAFETY: bf16 is a plain 2-byte value.
-            let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), host.len() * 2) };
-            self.rt.upload(buf.ptr, bytes)?;
+            let n = rows * cols;
+            let grid = [blocks(n, BLOCK).min(65535 * 8), 1, 1];
+            if w.dtype() == DType::F8E4M3 {
+                let buf = DeviceBuffer::new(&self.rt, n)?;
+                let args = [Arg::Ptr(buf.ptr), Arg::I64(n as i64), Arg::U64(seed)];
+                self.rt.launch("fill_random_fp8", grid, [BLOCK, 1, 1], 0, &args)?;
+                let scales = self.upload_f32(1, scale_grid, &vec![scale; scale_grid])?.buf;
+                return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Fp8 { scales } });
+            }
+            let buf = DeviceBuffer::new(&self.rt, n * 2)?;
+            let args = [Arg::Ptr(buf.ptr), Arg::I64(n as i64), Arg::U64(seed), Arg::F32(scale)];
+            self.rt.launch("fill_random_bf16", grid, [BLOCK, 1, 1], 0, &args)?;
+            return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Bf16 });
         }
-        Ok(GpuWeight { buf, rows, cols })
+        // Every other format is widened on the host (in parallel) and stored as bf16.
+        let buf = DeviceBuffer::new(&self.rt, rows * cols * 2)?;
+        let mut host = vec![bf16::ZERO; rows * cols];
+        host.par_chunks_mut(cols.max(1)).enumerate().for_each_init(
+            || vec![0f32; cols],
+            |row_buf, (r, out)| {
+                w.dequant_row(r, row_buf);
+                for (o, v) in out.iter_mut().zip(row_buf.iter()) {
+                    *o = bf16::from_f32(*v);
+                }
+            },
+        );
+        // SAFETY: bf16 is a plain 2-byte value.
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), host.len() * 2) };
+        self.rt.upload(buf.ptr, bytes)?;
+        Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Bf16 })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<GpuTensor> {
@@ -295,6 +526,7 @@ impl Backend for GpuBackend {
     }
 
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<GpuKvCache> {
+        self.tickets()?;
         let bytes = (capacity * kv_width * 2).max(2);
         Ok(GpuKvCache {
             keys: DeviceBuffer::new(&self.rt, bytes)?,
@@ -331,8 +563,15 @@ impl Backend for GpuBackend {
                 ids_buf.insert(buf).ptr
             }
         };
-        let args = [Arg::Ptr(table.buf.ptr), Arg::Ptr(ids_ptr), Arg::Ptr(out.buf.ptr), Arg::I32(table.cols as i32)];
-        self.rt.launch("embed_bf16", [blocks(table.cols, BLOCK), tokens.len() as u32, 1], [BLOCK, 1, 1], 0, &args)?;
+        let grid = [blocks(table.cols, BLOCK), tokens.len() as u32, 1];
+        let (table_ptr, out_ptr, cols) = (Arg::Ptr(table.buf.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(table.cols as i32));
+        if table.is_fp8() {
+            let kblocks = Arg::I32(table.cols.div_ceil(FP8_BLOCK) as i32);
+            let args = [table_ptr, Arg::Ptr(table.scales()), Arg::Ptr(ids_ptr), out_ptr, cols, kblocks];
+            self.rt.launch("embed_fp8", grid, [BLOCK, 1, 1], 0, &args)?;
+        } else {
+            self.rt.launch("embed_bf16", grid, [BLOCK, 1, 1], 0, &[table_ptr, Arg::Ptr(ids_ptr), out_ptr, cols])?;
+        }
         Ok(out)
     }
 
@@ -354,69 +593,84 @@ impl Backend for GpuBackend {
     }
 
     fn linear(&self, x: &GpuTensor, w: &GpuWeight, bias: Option<&GpuTensor>) -> Result<GpuTensor> {
-        let (n, k, t) = (w.rows, w.cols, x.rows);
-        if x.cols != k {
-            return Err(Error::InvalidArgument(format!("linear: input width {} but weight has {k} columns", x.cols)));
-        }
-        let y = self.tensor(t, n)?;
-        if t == 0 {
-            return Ok(y);
-        }
-        let args = [
-            Arg::Ptr(w.buf.ptr),
-            Arg::Ptr(x.buf.ptr),
-            Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)),
-            Arg::Ptr(y.buf.ptr),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I32(t as i32),
-        ];
-        let rows_per_block = BLOCK / self.rt.warp_size();
-        if t == 1 && k % 8 == 0 {
-            self.gemv1(x, w, bias, None, y.buf.ptr)?;
-        } else if t <= GEMV_MAX_T && k % 8 == 0 {
-            self.rt.launch("gemv_bf16", [blocks(n, rows_per_block), 1, 1], [BLOCK, 1, 1], 0, &args)?;
-        } else {
-            self.rt.launch("gemm_bf16", [blocks(n, 128), blocks(t, 128), 1], [256, 1, 1], 0, &args)?;
-        }
+        let y = self.tensor(x.rows, w.rows)?;
+        self.matmul(x, w, bias, None, y.buf.ptr)?;
         Ok(y)
     }
 
     fn linear_add(&self, x: &GpuTensor, w: &GpuWeight, bias: Option<&GpuTensor>, residual: &mut GpuTensor) -> Result<()> {
-        if x.rows == 1 && w.cols % 8 == 0 && x.cols == w.cols && (residual.rows, residual.cols) == (1, w.rows) {
-            let out = residual.buf.ptr;
-            return self.gemv1(x, w, bias, Some(out), out);
+        if (residual.rows, residual.cols) != (x.rows, w.rows) {
+            return Err(Error::InvalidArgument(format!(
+                "linear_add: residual [{}, {}] but the product is [{}, {}]",
+                residual.rows, residual.cols, x.rows, w.rows
+            )));
         }
-        let y = self.linear(x, w, bias)?;
-        self.add_assign(residual, &y)
+        let out = residual.buf.ptr;
+        self.matmul(x, w, bias, Some(out), out)
     }
 
-    fn silu_gate_up(
+    fn norm_linears<const N: usize>(
         &self,
         x: &GpuTensor,
-        gate: &GpuWeight,
-        gate_bias: Option<&GpuTensor>,
-        up: &GpuWeight,
-        up_bias: Option<&GpuTensor>,
-    ) -> Result<GpuTensor> {
-        let fusable = x.rows == 1 && gate.cols % 8 == 0 && x.cols == gate.cols && (up.rows, up.cols) == (gate.rows, gate.cols);
-        if !fusable {
-            let g = self.linear(x, gate, gate_bias)?;
-            let u = self.linear(x, up, up_bias)?;
-            return self.silu_mul(&g, &u);
+        norm: &GpuTensor,
+        eps: f32,
+        projs: [Proj<'_, Self>; N],
+    ) -> Result<[GpuTensor; N]> {
+        let fused = x.rows == 1
+            && (1..=3).contains(&N)
+            && norm.cols == x.cols
+            && x.cols <= GEMV_MAX_STAGED
+            && projs.iter().all(|p| p.weight.cols == x.cols && p.weight.gemv1_fits() && p.weight.is_fp8() == projs[0].weight.is_fp8());
+        if !fused {
+            let xn = self.rms_norm(x, norm, eps)?;
+            let out = projs.iter().map(|p| self.linear(&xn, p.weight, p.bias)).collect::<Result<Vec<_>>>()?;
+            return out.try_into().map_err(|_| Error::InvalidArgument("norm_linears: projection count".into()));
         }
-        let out = self.tensor(1, gate.rows)?;
+        let out = projs.iter().map(|p| self.tensor(1, p.weight.rows)).collect::<Result<Vec<_>>>()?;
+        let segs: Vec<_> = projs.iter().zip(&out).map(|(p, y)| (p.weight, p.bias, y.buf.ptr)).collect();
+        self.gemv1(x, &segs, Some((norm, eps)), None)?;
+        out.try_into().map_err(|_| Error::InvalidArgument("norm_linears: projection count".into()))
+    }
+
+    fn norm_silu_gate_up(
+        &self,
+        x: &GpuTensor,
+        norm: &GpuTensor,
+        eps: f32,
+        gate: Proj<'_, Self>,
+        up: Proj<'_, Self>,
+    ) -> Result<GpuTensor> {
+        let (g, u) = (gate.weight, up.weight);
+        let fused = x.rows == 1
+            && norm.cols == x.cols
+            && x.cols <= GEMV_MAX_STAGED
+            && g.cols == x.cols
+            && (u.rows, u.cols) == (g.rows, g.cols)
+            && g.gemv1_fits()
+            && g.is_fp8() == u.is_fp8();
+        if !fused {
+            let xn = self.rms_norm(x, norm, eps)?;
+            let gv = self.linear(&xn, g, gate.bias)?;
+            let uv = self.linear(&xn, u, up.bias)?;
+            return self.silu_mul(&gv, &uv);
+        }
+        let out = self.tensor(1, g.rows)?;
         let args = [
-            Arg::Ptr(gate.buf.ptr),
-            Arg::Ptr(up.buf.ptr),
+            Arg::Ptr(g.buf.ptr),
+            Arg::Ptr(u.buf.ptr),
+            Arg::Ptr(g.scales()),
+            Arg::Ptr(u.scales()),
+            Arg::Ptr(gate.bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(up.bias.map_or(0, |b| b.buf.ptr)),
             Arg::Ptr(x.buf.ptr),
-            Arg::Ptr(gate_bias.map_or(0, |b| b.buf.ptr)),
-            Arg::Ptr(up_bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(norm.buf.ptr),
+            Arg::F32(eps),
             Arg::Ptr(out.buf.ptr),
-            Arg::I32(gate.rows as i32),
-            Arg::I32(gate.cols as i32),
+            Arg::I32(g.rows as i32),
+            Arg::I32(g.cols as i32),
         ];
-        self.rt.launch("gemv1_gate_up_bf16", [blocks(gate.rows, BLOCK / self.rt.warp_size()), 1, 1], [BLOCK, 1, 1], 0, &args)?;
+        let grid = [blocks(g.rows, GEMV_ROWS * GEMV_THREADS / self.rt.warp_size()), 1, 1];
+        self.rt.launch(&g.kernel("gemv1_gate_up"), grid, [GEMV_THREADS, 1, 1], x.cols as u32 * 4, &args)?;
         Ok(out)
     }
 
@@ -440,6 +694,45 @@ impl Backend for GpuBackend {
         self.rt.launch("norm_rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], 0, &args)
     }
 
+    fn rotary_attention(
+        &self,
+        q: GpuTensor,
+        k: GpuTensor,
+        v: &GpuTensor,
+        norms: QkNorms<'_, Self>,
+        rope: &Rope,
+        cache: &mut GpuKvCache,
+        start_pos: usize,
+        shape: AttentionShape,
+    ) -> Result<GpuTensor> {
+        let d = shape.head_dim;
+        if rope.head_dim != d || rope.inv_freq.len() != d / 2 || [norms.q, norms.k].iter().flatten().any(|w| w.cols != d) {
+            return Err(Error::InvalidArgument(format!("rotary_attention: rope or norms disagree with head_dim {d}")));
+        }
+        let pos_dev = self.prepare_attention(&q, &k, v, cache, start_pos, shape)?;
+        let freqs = self.rope_freqs(rope)?;
+        let args = [
+            Arg::Ptr(q.buf.ptr),
+            Arg::Ptr(k.buf.ptr),
+            Arg::Ptr(v.buf.ptr),
+            Arg::Ptr(norms.q.map_or(0, |w| w.buf.ptr)),
+            Arg::Ptr(norms.k.map_or(0, |w| w.buf.ptr)),
+            Arg::F32(norms.eps),
+            Arg::Ptr(freqs),
+            Arg::I32(start_pos as i32),
+            Arg::Ptr(pos_dev),
+            Arg::Ptr(cache.keys.ptr),
+            Arg::Ptr(cache.values.ptr),
+            Arg::I32(shape.num_heads as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::I32(d as i32),
+        ];
+        let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
+        let grid = [(shape.num_heads + 2 * shape.num_kv_heads) as u32, q.rows as u32, 1];
+        self.rt.launch("qkv_rope_append", grid, [threads, 1, 1], 0, &args)?;
+        self.attend(&q, cache, start_pos, shape)
+    }
+
     fn rope(&self, x: &mut GpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
         if x.cols % d != 0 || rope.inv_freq.len() != d / 2 {
@@ -461,49 +754,11 @@ impl Backend for GpuBackend {
         start_pos: usize,
         shape: AttentionShape,
     ) -> Result<GpuTensor> {
-        let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
+        let pos_dev = self.prepare_attention(q, k, v, cache, start_pos, shape)?;
         let width = cache.width;
-        if k.cols != width || v.cols != width || q.cols != num_heads * d || num_kv_heads * d != width {
-            return Err(Error::InvalidArgument("attention: q/k/v widths disagree with the shape".into()));
-        }
-        if d > 256 {
-            return Err(Error::Unsupported(format!("head_dim {d} on the GPU (at most 256)")));
-        }
-        let t = q.rows;
-        let recorded = self.recorded_inputs();
-        if recorded.is_some() && start_pos + t > cache.capacity {
-            return Err(Error::ContextOverflow(format!("position {} is past the KV cache", start_pos + t)));
-        }
-        self.grow_cache(cache, start_pos + t)?;
-        let pos_dev = Arg::Ptr(recorded.map_or(0, |p| p + 4));
-        let args = [Arg::Ptr(k.buf.ptr), Arg::Ptr(v.buf.ptr), Arg::Ptr(cache.keys.ptr), Arg::Ptr(cache.values.ptr), Arg::I32(start_pos as i32), pos_dev, Arg::I32(width as i32)];
-        self.rt.launch("kv_append", [blocks(width, BLOCK), t as u32, 1], [BLOCK, 1, 1], 0, &args)?;
-
-        // A recording must fit every later position: it covers the whole cache.
-        let longest = if recorded.is_some() { cache.capacity } else { start_pos + t };
-        let splits = longest.div_ceil(ATTENTION_CHUNK);
-        let partial = self.scratch(t * num_heads * splits * (d + 2) * 4)?;
-        let scale = 1.0 / (d as f32).sqrt();
-        let args = [
-            Arg::Ptr(q.buf.ptr),
-            Arg::Ptr(cache.keys.ptr),
-            Arg::Ptr(cache.values.ptr),
-            Arg::Ptr(partial.ptr),
-            Arg::I32(start_pos as i32),
-            pos_dev,
-            Arg::I32(num_kv_heads as i32),
-            Arg::I32(d as i32),
-            Arg::F32(scale),
-            Arg::I32(ATTENTION_CHUNK as i32),
-        ];
-        // Regular head sizes take the kernel with lanes over positions; others the general one.
-        let kernel = if d % 64 == 0 { "attention_partial_wide" } else { "attention_partial" };
-        self.rt.launch(kernel, [num_heads as u32, t as u32, splits as u32], [128, 1, 1], 0, &args)?;
-        let out = self.tensor(t, num_heads * d)?;
-        let args = [Arg::Ptr(partial.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(d as i32), Arg::I32(splits as i32)];
-        let threads = d.next_multiple_of(32) as u32;
-        self.rt.launch("attention_combine", [num_heads as u32, t as u32, 1], [threads, 1, 1], 0, &args)?;
-        Ok(out)
+        let args = [Arg::Ptr(k.buf.ptr), Arg::Ptr(v.buf.ptr), Arg::Ptr(cache.keys.ptr), Arg::Ptr(cache.values.ptr), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(width as i32)];
+        self.rt.launch("kv_append", [blocks(width, BLOCK), q.rows as u32, 1], [BLOCK, 1, 1], 0, &args)?;
+        self.attend(q, cache, start_pos, shape)
     }
 
     fn silu_mul(&self, gate: &GpuTensor, up: &GpuTensor) -> Result<GpuTensor> {
@@ -529,13 +784,18 @@ impl Backend for GpuBackend {
         Ok(out)
     }
 
-    fn replay_decode(&self, token: u32, pos: usize) -> Result<Option<Vec<f32>>> {
+    fn argmax(&self, x: &GpuTensor, limit: usize) -> Result<u32> {
+        let out = self.scratch(4)?;
+        self.launch_argmax(x, limit, 0, out.ptr)?;
+        self.download_token(out.ptr)
+    }
+
+    fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<Option<StepResult>> {
         let exec = self.decode_state().exec;
         let Some(exec) = exec else { return Ok(None) };
-        self.set_inputs(token, pos)?;
+        self.set_inputs(token, pos, want)?;
         self.rt.launch_graph(exec)?;
-        let d = self.decode_state();
-        d.logits.as_ref().map(|l| self.to_host(l)).transpose()
+        self.recorded_output(want).map(Some)
     }
 
     fn record_decode(
@@ -543,12 +803,15 @@ impl Backend for GpuBackend {
         token: u32,
         pos: usize,
         vocab: usize,
+        want: StepOutput,
         step: &mut dyn FnMut() -> Result<GpuTensor>,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<StepResult>> {
         self.forget_recording();
-        // The output lives outside the graph: the graph ends by copying the logits into it.
+        // The outputs live outside the graph: it ends by copying the logits there and by taking
+        // their argmax, so a replay hands back either.
         let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, vocab * 4)?, rows: 1, cols: vocab };
-        self.set_inputs(token, pos)?;
+        let token_out = DeviceBuffer::new(&self.rt, 4)?;
+        let inputs = self.set_inputs(token, pos, want)?;
         {
             let mut d = self.decode_state();
             if d.arena.is_none() {
@@ -565,7 +828,8 @@ impl Backend for GpuBackend {
             if (out.rows, out.cols) != (1, vocab) {
                 return Err(Error::InvalidArgument(format!("decode step returned [{}, {}]", out.rows, out.cols)));
             }
-            self.rt.copy(logits.buf.ptr, out.buf.ptr, vocab * 4)
+            self.rt.copy(logits.buf.ptr, out.buf.ptr, vocab * 4)?;
+            self.launch_argmax(&logits, vocab, inputs + 8, token_out.ptr)
         });
         self.decode_state().recording = false;
         let graph = self.rt.end_capture();
@@ -581,9 +845,9 @@ impl Backend for GpuBackend {
         };
         // Capturing records without running: run it once now.
         self.rt.launch_graph(exec)?;
-        let host = self.to_host(&logits)?;
         let mut d = self.decode_state();
         d.logits = Some(logits);
+        d.token = Some(token_out);
         if d.arena_used > d.arena_size {
             // Record again next step, with room for every temporary.
             d.arena_size = d.arena_used + d.arena_used / 4;
@@ -592,7 +856,8 @@ impl Backend for GpuBackend {
         } else {
             d.exec = Some(exec);
         }
-        Ok(Some(host))
+        drop(d);
+        self.recorded_output(want).map(Some)
     }
 }
 

@@ -75,14 +75,19 @@ pub trait Runtime: Send + Sync {
 /// The kernel sources as one translation unit: the common headers first, then every op file, with
 /// the `#include "common/..."` lines removed (the run-time compilers get no include path).
 pub fn kernel_source() -> String {
-    const HEADERS: [&str; 2] =
-        [include_str!("../../../kernels/common/portable.h"), include_str!("../../../kernels/common/mma.h")];
-    const FILES: [&str; 6] = [
+    const HEADERS: [&str; 3] = [
+        include_str!("../../../kernels/common/portable.h"),
+        include_str!("../../../kernels/common/mma.h"),
+        include_str!("../../../kernels/common/fp8.h"),
+    ];
+    const FILES: [&str; 8] = [
         include_str!("../../../kernels/elementwise.hip"),
         include_str!("../../../kernels/norm.hip"),
         include_str!("../../../kernels/rope.hip"),
         include_str!("../../../kernels/linear.hip"),
+        include_str!("../../../kernels/gemm.hip"),
         include_str!("../../../kernels/attention.hip"),
+        include_str!("../../../kernels/flash_attention.hip"),
         include_str!("../../../kernels/sampling.hip"),
     ];
     let strip = |text: &str| -> String {

@@ -1,0 +1,236 @@
+// Prefill GEMMs on the matrix cores:
+//   y[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]) (+ residual[t, n]),  f32 accumulation.
+// Layout: W [N, K] row-major (nn.Linear.weight): bf16 (gemm_bf16) or FP8 E4M3 codes with f32 scales
+// [ceil(N/128), ceil(K/128)] (gemm_fp8, see common/fp8.h); x [T, K] f32; y [T, N] f32; bias [N] f32
+// or null; residual [T, N] f32 or null, and may be y itself (each element is read and then written
+// by the same thread, and y is read nowhere else). Any N, K, T >= 1.
+//
+// Launch: grid (ceil(N / GEMM_BN), ceil(T / GEMM_BM), 1) -- x over N, y over T --, block
+// GEMM_THREADS, no dynamic shared memory (static: 40 KB). Same shape for both kernels and every vendor.
+//
+// Each block computes a 128x128 tile of y in 32-wide K steps. x (converted to bf16) and W (bf16, or
+// dequantised with its block scale) are staged in a double-buffered shared tile; the next step's
+// global loads are issued into registers before the current step's products, so their latency hides
+// behind the matrix cores, and one barrier per step suffices. The block's warps split the tile 2 x
+// (warps / 2): 64x32 per warp with 32-lane warps, 64x64 with 64-lane ones; per 16-wide k slice a
+// warp loads its 4 A and 2 (or 4) B fragments once and reuses each across the others
+// (common/mma.h's fragment API: ldmatrix + mma.sync on NVIDIA, WMMA/MFMA on AMD).
+#include "common/portable.h"
+#include "common/mma.h"
+#include "common/fp8.h"
+
+#define GEMM_BM 128      // rows of x / y (tokens) per block
+#define GEMM_BN 128      // rows of W / columns of y per block
+#define GEMM_THREADS 256
+#define GEMM_BK 32
+// Shared rows of 40 bf16 (80 bytes): 16-byte aligned for ldmatrix, and 8 consecutive rows fall on
+// distinct 16-byte bank groups, so fragment loads are conflict-free.
+#define GEMM_LDS (GEMM_BK + 8)
+#define GEMM_WARPS (GEMM_THREADS / WARP_SIZE)
+#define GEMM_WM 64                                 // warp tile rows (of GEMM_BM)
+#define GEMM_WN (GEMM_BN / (GEMM_WARPS / 2))       // warp tile columns: 32 (wave32) or 64 (wave64)
+#define GEMM_TM (GEMM_WM / 16)
+#define GEMM_TN (GEMM_WN / 16)
+#define GEMM_XCH (GEMM_BM * GEMM_BK / 8 / GEMM_THREADS)   // 8-float chunks of x per thread per step
+#define GEMM_WCH (GEMM_BN * GEMM_BK / 8 / GEMM_THREADS)   // 8-bf16 chunks of W
+#define GEMM_QCH (GEMM_BN * GEMM_BK / 16 / GEMM_THREADS)  // 16-code chunks of FP8 W
+// Consecutive blocks sweep N within a band of this many T tiles, so the blocks resident at once
+// share their x rows and W rows in L2 instead of streaming all of W once per T tile.
+#define GEMM_GROUP_T 8
+
+static_assert(GEMM_BM == 2 * GEMM_WM, "two warp rows");
+static_assert(GEMM_XCH >= 1 && GEMM_WCH >= 1 && GEMM_QCH >= 1, "every thread stages whole chunks");
+static_assert(FP8_BLOCK % GEMM_BN == 0 && FP8_BLOCK % GEMM_BK == 0, "one FP8 scale per block and step");
+
+// One K step of x and W in flight in registers.
+struct gemm_stage {
+    float4 x[GEMM_XCH][2];
+    uint4 w[GEMM_WCH];  // FP8 uses the first GEMM_QCH
+    float scale;        // FP8 block scale (times 2^120, see fp8_scale)
+};
+
+// Global -> registers for the K step at k0. CHECKED: the tile may cross T, N or K (zero-filled
+// there), and K may break the vector loads' alignment.
+template <bool FP8, bool CHECKED>
+__device__ __forceinline__ void gemm_fetch(gemm_stage& s, const void* W, const float* scales, const float* x, int N,
+                                           int K, int T, int n0, int t0, int k0) {
+#pragma unroll
+    for (int i = 0; i < GEMM_XCH; i++) {
+        const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = k0 + (e % (GEMM_BK / 8)) * 8;
+        const int t = t0 + r;
+        const float* src = x + (long)t * K + k;
+        if (!CHECKED || (t < T && (K & 3) == 0 && k + 8 <= K)) {
+            s.x[i][0] = ((const float4*)src)[0];
+            s.x[i][1] = ((const float4*)src)[1];
+        } else {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = (t < T && k + j < K) ? src[j] : 0.0f;
+            s.x[i][0] = make_float4(v[0], v[1], v[2], v[3]);
+            s.x[i][1] = make_float4(v[4], v[5], v[6], v[7]);
+        }
+    }
+    if (!FP8) {
+#pragma unroll
+        for (int i = 0; i < GEMM_WCH; i++) {
+            const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = k0 + (e % (GEMM_BK / 8)) * 8;
+            const int n = n0 + r;
+            const bf16* src = (const bf16*)W + (long)n * K + k;
+            if (!CHECKED || (n < N && (K & 7) == 0 && k + 8 <= K)) {
+                s.w[i] = *(const uint4*)src;
+            } else {
+                unsigned int h[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) h[j] = (n < N && k + j < K) ? src[j] : 0u;
+                s.w[i] = make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < GEMM_QCH; i++) {
+            const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 16), k = k0 + (e % (GEMM_BK / 16)) * 16;
+            const int n = n0 + r;
+            const unsigned char* src = (const unsigned char*)W + (long)n * K + k;
+            if (!CHECKED || (n < N && (K & 15) == 0 && k + 16 <= K)) {
+                s.w[i] = *(const uint4*)src;
+            } else {
+                unsigned int b[16];
+#pragma unroll
+                for (int j = 0; j < 16; j++) b[j] = (n < N && k + j < K) ? src[j] : 0u;
+                s.w[i] = make_uint4(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24,
+                                    b[8] | b[9] << 8 | b[10] << 16 | b[11] << 24,
+                                    b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24);
+            }
+        }
+        const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+        s.scale = fp8_scale(scales[(n0 / FP8_BLOCK) * kblocks + k0 / FP8_BLOCK]);
+    }
+}
+
+// Registers -> shared, as bf16 rows of GEMM_LDS.
+template <bool FP8>
+__device__ __forceinline__ void gemm_stash(const gemm_stage& s, bf16* xs, bf16* ws) {
+#pragma unroll
+    for (int i = 0; i < GEMM_XCH; i++) {
+        const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = (e % (GEMM_BK / 8)) * 8;
+        *(uint4*)(xs + r * GEMM_LDS + k) =
+            make_uint4(bf16x2_pack(s.x[i][0].x, s.x[i][0].y), bf16x2_pack(s.x[i][0].z, s.x[i][0].w),
+                       bf16x2_pack(s.x[i][1].x, s.x[i][1].y), bf16x2_pack(s.x[i][1].z, s.x[i][1].w));
+    }
+    if (!FP8) {
+#pragma unroll
+        for (int i = 0; i < GEMM_WCH; i++) {
+            const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = (e % (GEMM_BK / 8)) * 8;
+            *(uint4*)(ws + r * GEMM_LDS + k) = s.w[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < GEMM_QCH; i++) {
+            const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 16), k = (e % (GEMM_BK / 16)) * 16;
+            const unsigned int words[4] = {s.w[i].x, s.w[i].y, s.w[i].z, s.w[i].w};
+            float f[16];
+#pragma unroll
+            for (int j = 0; j < 4; j++) e4m3x4_scaled(words[j], f + 4 * j);
+            unsigned int p[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) p[j] = bf16x2_pack(f[2 * j] * s.scale, f[2 * j + 1] * s.scale);
+            *(uint4*)(ws + r * GEMM_LDS + k) = make_uint4(p[0], p[1], p[2], p[3]);
+            *(uint4*)(ws + r * GEMM_LDS + k + 8) = make_uint4(p[4], p[5], p[6], p[7]);
+        }
+    }
+}
+
+// The warp's 64 x GEMM_WN products for one staged K step.
+__device__ __forceinline__ void gemm_step(float (&acc)[GEMM_TM][GEMM_TN][MMA_ACC], const bf16* xs, const bf16* ws) {
+#pragma unroll
+    for (int kk = 0; kk < GEMM_BK; kk += 16) {
+        mma_frag_t b[GEMM_TN];
+#pragma unroll
+        for (int j = 0; j < GEMM_TN; j++) mma_load_b(b[j], ws + j * 16 * GEMM_LDS + kk, GEMM_LDS);
+#pragma unroll
+        for (int i = 0; i < GEMM_TM; i++) {
+            mma_frag_t a;
+            mma_load_a(a, xs + i * 16 * GEMM_LDS + kk, GEMM_LDS);
+#pragma unroll
+            for (int j = 0; j < GEMM_TN; j++) mma16_frag(acc[i][j], a, b[j]);
+        }
+    }
+}
+
+template <bool FP8, bool CHECKED>
+__device__ __forceinline__ void gemm_mainloop(float (&acc)[GEMM_TM][GEMM_TN][MMA_ACC], bf16* xs, bf16* ws,
+                                              const void* W, const float* scales, const float* x, int N, int K,
+                                              int T, int n0, int t0) {
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int wm = (warp / (GEMM_WARPS / 2)) * GEMM_WM, wn = (warp % (GEMM_WARPS / 2)) * GEMM_WN;
+    const int steps = (K + GEMM_BK - 1) / GEMM_BK;
+    gemm_stage s;
+    gemm_fetch<FP8, CHECKED>(s, W, scales, x, N, K, T, n0, t0, 0);
+    gemm_stash<FP8>(s, xs, ws);
+    __syncthreads();
+    for (int step = 0; step < steps; step++) {
+        const int cur = step & 1;
+        const bool more = step + 1 < steps;
+        if (more) gemm_fetch<FP8, CHECKED>(s, W, scales, x, N, K, T, n0, t0, (step + 1) * GEMM_BK);
+        gemm_step(acc, xs + cur * GEMM_BM * GEMM_LDS + wm * GEMM_LDS, ws + cur * GEMM_BN * GEMM_LDS + wn * GEMM_LDS);
+        // The other buffer was last read in the previous step, before its closing barrier.
+        if (more) gemm_stash<FP8>(s, xs + (cur ^ 1) * GEMM_BM * GEMM_LDS, ws + (cur ^ 1) * GEMM_BN * GEMM_LDS);
+        __syncthreads();
+    }
+}
+
+template <bool FP8>
+__device__ __forceinline__ void gemm_body(const void* W, const float* scales, const float* x, const float* bias,
+                                          const float* residual, float* y, int N, int K, int T) {
+    // uint4 for 16-byte alignment (vector stores, ldmatrix rows).
+    __shared__ uint4 xs_raw[2 * GEMM_BM * GEMM_LDS / 8];
+    __shared__ uint4 ws_raw[2 * GEMM_BN * GEMM_LDS / 8];
+    bf16* xs = (bf16*)xs_raw;
+    bf16* ws = (bf16*)ws_raw;
+
+    // Block id -> tile, column-major within bands of GEMM_GROUP_T T tiles (a bijection on the grid).
+    const int gx = gridDim.x, id = blockIdx.y * gx + blockIdx.x;
+    const int first = (id / (GEMM_GROUP_T * gx)) * GEMM_GROUP_T;
+    const int rows = min((int)gridDim.y - first, GEMM_GROUP_T);
+    const int local = id - first * gx;
+    const int t0 = (first + local % rows) * GEMM_BM, n0 = (local / rows) * GEMM_BN;
+
+    float acc[GEMM_TM][GEMM_TN][MMA_ACC];
+#pragma unroll
+    for (int i = 0; i < GEMM_TM; i++)
+#pragma unroll
+        for (int j = 0; j < GEMM_TN; j++)
+#pragma unroll
+            for (int e = 0; e < MMA_ACC; e++) acc[i][j][e] = 0.0f;
+
+    if ((K % GEMM_BK) == 0 && t0 + GEMM_BM <= T && n0 + GEMM_BN <= N)
+        gemm_mainloop<FP8, false>(acc, xs, ws, W, scales, x, N, K, T, n0, t0);
+    else
+        gemm_mainloop<FP8, true>(acc, xs, ws, W, scales, x, N, K, T, n0, t0);
+
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int tw = t0 + (warp / (GEMM_WARPS / 2)) * GEMM_WM, nw = n0 + (warp % (GEMM_WARPS / 2)) * GEMM_WN;
+#pragma unroll
+    for (int i = 0; i < GEMM_TM; i++)
+#pragma unroll
+        for (int j = 0; j < GEMM_TN; j++)
+#pragma unroll
+            for (int e = 0; e < MMA_ACC; e++) {
+                const int t = tw + i * 16 + mma_row(e), n = nw + j * 16 + mma_col(e);
+                if (t < T && n < N) {
+                    const long o = (long)t * N + n;
+                    y[o] = acc[i][j][e] + (bias ? bias[n] : 0.0f) + (residual ? residual[o] : 0.0f);
+                }
+            }
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
+    gemm_bf16(const bf16* W, const float* x, const float* bias, const float* residual, float* y, int N, int K, int T) {
+    gemm_body<false>(W, nullptr, x, bias, residual, y, N, K, T);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
+    gemm_fp8(const unsigned char* W, const float* scales, const float* x, const float* bias, const float* residual,
+             float* y, int N, int K, int T) {
+    gemm_body<true>(W, scales, x, bias, residual, y, N, K, T);
+}
