@@ -44,6 +44,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     __shared__ float pe[16 * DEC_TILE];
     __shared__ float run_m[16], run_l[16], corr[16];
     __shared__ int is_last;
+    pdl_launch_dependents();
     if (pos_dev) pos = *pos_dev;
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int D = head_dim, G = heads / kv_heads, width = kv_heads * D, ldk = D + 8;
@@ -101,15 +102,18 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
             if (lane < n) {
                 const uint4* kp = (const uint4*)(ks + lane * ldk);
                 const float* qg = qs + g * D;
-                s = 0.0f;
+                // Four independent sums: the dot product is a chain of FMAs otherwise.
+                float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
                 for (int c = 0; c < row_chunks; c++) {
                     const uint4 w = kp[c];
                     const float* qc = qg + c * 8;
-                    s += __uint_as_float(w.x << 16) * qc[0] + __uint_as_float(w.x & 0xffff0000u) * qc[1]
-                       + __uint_as_float(w.y << 16) * qc[2] + __uint_as_float(w.y & 0xffff0000u) * qc[3]
-                       + __uint_as_float(w.z << 16) * qc[4] + __uint_as_float(w.z & 0xffff0000u) * qc[5]
-                       + __uint_as_float(w.w << 16) * qc[6] + __uint_as_float(w.w & 0xffff0000u) * qc[7];
+                    part[c % 4] += __uint_as_float(w.x << 16) * qc[0] + __uint_as_float(w.x & 0xffff0000u) * qc[1]
+                                 + __uint_as_float(w.y << 16) * qc[2] + __uint_as_float(w.y & 0xffff0000u) * qc[3]
+                                 + __uint_as_float(w.z << 16) * qc[4] + __uint_as_float(w.z & 0xffff0000u) * qc[5]
+                                 + __uint_as_float(w.w << 16) * qc[6] + __uint_as_float(w.w & 0xffff0000u) * qc[7];
                 }
+                s = (part[0] + part[1]) + (part[2] + part[3]);
             }
             const float m_old = run_m[g];
             const float m_new = fmaxf(m_old, warp_max(s));
@@ -130,16 +134,19 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
             const int idx = tid + j * DEC_THREADS;
             if (idx < pairs) {
                 const int g = idx / (D / 2), d2 = idx % (D / 2);
-                const float c = corr[g];
-                float a0 = acc[j][0] * c, a1 = acc[j][1] * c;
                 const float* pg = pe + g * DEC_TILE;
-                for (int p = 0; p < n; p++) {
+                // Rows past n hold zero probabilities (and finite values), so the loop runs whole
+                // tiles with two independent sums per output.
+                float a[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll 8
+                for (int p = 0; p < DEC_TILE; p++) {
                     const unsigned int v = ((const unsigned int*)(vs + p * D))[d2];
-                    a0 += pg[p] * __uint_as_float(v << 16);
-                    a1 += pg[p] * __uint_as_float(v & 0xffff0000u);
+                    a[p % 2][0] += pg[p] * __uint_as_float(v << 16);
+                    a[p % 2][1] += pg[p] * __uint_as_float(v & 0xffff0000u);
                 }
-                acc[j][0] = a0;
-                acc[j][1] = a1;
+                const float c = corr[g];
+                acc[j][0] = acc[j][0] * c + (a[0][0] + a[1][0]);
+                acc[j][1] = acc[j][1] * c + (a[0][1] + a[1][1]);
             }
         }
     }
@@ -168,19 +175,32 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int i = tid; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
+    // Merge: per head, a warp turns the splits' maxima and sums into weights (kept in the key
+    // tile's memory), then every output sums its splits with those weights, loads in parallel.
+    float* weight = (float*)ks;  // [G][active]: G * active <= 16 * 128 floats
+    for (int g = warp; g < G; g += warps) {
         const volatile float* src = partial + (head0 + g) * splits * (D + 2);
         float M = NEG_INF;
-        for (int s = 0; s < active; s++) M = fmaxf(M, src[s * (D + 2)]);
-        float L = 0.0f, a = 0.0f;
-#pragma unroll 4
-        for (int s = 0; s < active; s++) {
+        for (int s = lane; s < active; s += WARP_SIZE) M = fmaxf(M, src[s * (D + 2)]);
+        M = warp_max(M);
+        float L = 0.0f;
+        for (int s = lane; s < active; s += WARP_SIZE) {
             const float f = expf(src[s * (D + 2)] - M);
+            weight[g * active + s] = f;
             L += src[s * (D + 2) + 1] * f;
-            a += src[s * (D + 2) + 2 + d] * f;
         }
-        out[(head0 + g) * D + d] = a / L;
+        L = warp_sum(L);
+        if (lane == 0) run_l[g] = L;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        const volatile float* src = partial + (head0 + g) * splits * (D + 2) + 2 + d;
+        const float* wg = weight + g * active;
+        float a = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < active; s++) a += src[s * (D + 2)] * wg[s];
+        out[(head0 + g) * D + d] = a / run_l[g];
     }
     if (tid == 0) counters[kvh] = 0;
 }

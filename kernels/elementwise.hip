@@ -19,6 +19,7 @@ ATLAS_KERNEL void add_inplace(float* x, const float* y, int n) {
 
 // out[t, :] = table[tokens[t], :] as f32. Grid: (ceil(cols/256), T).
 ATLAS_KERNEL void embed_bf16(const bf16* table, const int* tokens, float* out, int cols) {
+    pdl_launch_dependents();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int t = blockIdx.y;
     if (c < cols) out[(long)t * cols + c] = bf16_to_f32(table[(long)tokens[t] * cols + c]);
@@ -27,6 +28,7 @@ ATLAS_KERNEL void embed_bf16(const bf16* table, const int* tokens, float* out, i
 // The same from FP8 block-scaled weights (common/fp8.h); `kblocks` = ceil(cols / 128).
 ATLAS_KERNEL void embed_fp8(const unsigned char* table, const float* scales, const int* tokens, float* out, int cols,
                             int kblocks) {
+    pdl_launch_dependents();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int t = blockIdx.y;
     if (c >= cols) return;

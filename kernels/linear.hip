@@ -118,15 +118,18 @@ struct GemvStage {
 };
 
 // acc[r] = rows[r] · x, summed over the warp. The first stage's loads are issued before the input
-// is staged (gemv_input), so the norm's prologue overlaps them; then each stage's successor is
-// fetched before the stage is used, two stages in flight.
+// is staged (gemv_input), so the norm's prologue overlaps them, and before waiting for the previous
+// kernel (launched early, the first weights stream in while it finishes); then each stage's
+// successor is fetched before the stage is used, two stages in flight.
 template <int ROWS, int PER_CHUNK, class R>
 __device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const float* x, const float* norm_w,
                                               float eps, int K, float* acc) {
     typedef GemvStage<ROWS, R> Stage;
     const int lane = threadIdx.x % WARP_SIZE, chunks = K / PER_CHUNK, step = Stage::INFLIGHT * WARP_SIZE;
     Stage cur, next;
+    pdl_launch_dependents();
     if (active) cur.fetch(rows, lane, chunks);
+    pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
     const float* xs = gemv_input(x, norm_w, eps, K);
     if (!active) return;
     for (int c0 = lane; c0 < chunks; c0 += 2 * step) {

@@ -23,6 +23,7 @@ __device__ __forceinline__ float group_sum_squares(const float* xg, int group, f
 
 ATLAS_KERNEL void rms_norm(const float* x, const float* weight, float* out, int group, float eps) {
     __shared__ float scratch[32];
+    pdl_launch_dependents();
     const float* xg = x + (long)blockIdx.x * group;
     float* og = out + (long)blockIdx.x * group;
     const float scale = rsqrtf(group_sum_squares(xg, group, scratch) / group + eps);

@@ -24,6 +24,21 @@ __device__ __forceinline__ float shfl(float v, int src_lane) { return __shfl_syn
 
 #define ATLAS_KERNEL extern "C" __global__
 
+// Programmatic dependent launch (NVIDIA sm_90+; nothing elsewhere). A kernel launched with
+// Runtime::launch_early may start while the previous kernel runs: it calls pdl_wait() before it
+// reads or writes anything the previous kernel touches. pdl_launch_dependents() lets the next
+// kernel start now (it still waits for this one's writes in its pdl_wait).
+__device__ __forceinline__ void pdl_wait() {
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 typedef unsigned short bf16;
 
 // No math header under the run-time compilers: spell infinity by its bits.

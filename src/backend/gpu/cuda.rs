@@ -17,6 +17,9 @@ pub struct CudaRuntime {
     stream: sys::CUstream,
     _module: sys::CUmodule,
     functions: HashMap<String, sys::CUfunction>,
+    /// Programmatic dependent launch (sm_90+): `launch_early` lets a kernel start before the
+    /// previous one ends.
+    early_launch: bool,
     description: String,
 }
 
@@ -71,7 +74,7 @@ impl CudaRuntime {
             functions.insert(name.to_string(), f);
         }
         let description = format!("cuda {name} ({arch}, kernels {cache_state})");
-        Ok(CudaRuntime { ctx, stream, _module: module, functions, description })
+        Ok(CudaRuntime { ctx, stream, _module: module, functions, description, early_launch: major >= 9 })
     }
 
     fn bind(&self) -> Result<()> {
@@ -164,6 +167,36 @@ impl Runtime for CudaRuntime {
             cu::launch_kernel(f, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared_bytes, self.stream, &mut params)
         }
         .map_err(|e| dev_err(kernel, e))
+    }
+
+    fn launch_early(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
+        if !self.early_launch {
+            return self.launch(kernel, grid, block, shared_bytes, args);
+        }
+        self.bind()?;
+        let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
+        let mut slots = arg_slots(args);
+        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        // SAFETY: a zeroed attribute is a valid plain-data value; the id and value are then set.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid[0],
+            gridDimY: grid[1],
+            gridDimZ: grid[2],
+            blockDimX: block[0],
+            blockDimY: block[1],
+            blockDimZ: block[2],
+            sharedMemBytes: shared_bytes,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as launch; `config` and `attr` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| dev_err(kernel, e))
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -239,7 +239,7 @@ impl GpuBackend {
         let rows: usize = projs.iter().map(|p| p.0.rows).sum();
         let shared = if norm.is_some() { x.cols as u32 * 4 } else { 0 };
         let grid = [blocks(rows, GEMV_ROWS * GEMV_THREADS / self.rt.warp_size()), 1, 1];
-        self.rt.launch(&projs[0].0.kernel("gemv1"), grid, [GEMV_THREADS, 1, 1], shared, &args)
+        self.rt.launch_early(&projs[0].0.kernel("gemv1"), grid, [GEMV_THREADS, 1, 1], shared, &args)
     }
 
     /// `y = x · wᵀ (+ bias) (+ residual)` for any number of rows; `residual` may be `y` itself.
@@ -670,7 +670,7 @@ impl Backend for GpuBackend {
             Arg::I32(g.cols as i32),
         ];
         let grid = [blocks(g.rows, GEMV_ROWS * GEMV_THREADS / self.rt.warp_size()), 1, 1];
-        self.rt.launch(&g.kernel("gemv1_gate_up"), grid, [GEMV_THREADS, 1, 1], x.cols as u32 * 4, &args)?;
+        self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, [GEMV_THREADS, 1, 1], x.cols as u32 * 4, &args)?;
         Ok(out)
     }
 

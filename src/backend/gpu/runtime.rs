@@ -56,6 +56,12 @@ pub trait Runtime: Send + Sync {
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()>;
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()>;
+    /// As `launch`, for a kernel that calls `pdl_wait()` (common/portable.h) before it touches
+    /// memory the previous kernel writes or reads: where the vendor allows, it starts while the
+    /// previous kernel still runs (its blocks prefetch weights meanwhile).
+    fn launch_early(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
+        self.launch(kernel, grid, block, shared_bytes, args)
+    }
     fn synchronize(&self) -> Result<()>;
 
     /// Starts recording the stream's work into a graph instead of running it.
