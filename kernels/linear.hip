@@ -12,8 +12,9 @@
 // ceil(rows / (GEMV_ROWS * warps_per_block)), block GEMV_THREADS, dynamic shared memory K * 4 bytes
 // when `norm_w` is given (else 0).
 //
-// `norm_w` (optional) fuses the RMSNorm that precedes these projections: the block normalises x
-// into shared memory once (x * rsqrt(mean(x^2) + eps) * norm_w) and every warp reads it there.
+// `norm_w` (optional) fuses the RMSNorm that precedes these projections: the block stages
+// x * norm_w in shared memory once, every warp reads it there, and the dot products are scaled by
+// rsqrt(mean(x^2) + eps).
 // Weight formats are small structs: row(n) gives a row's reader, whose load(c) fetches 16-byte
 // chunk c and dot() multiplies it with the chunk's x values.
 #define GEMV_THREADS 256
@@ -64,24 +65,23 @@ struct Fp8Weights {
     }
 };
 
-// x, RMS-normalised when norm_w is given, in the block's shared memory; else x itself.
-// Every thread of the block must call it (it synchronises). K % 4 == 0.
-__device__ __forceinline__ const float* gemv_input(const float* x, const float* norm_w, float eps, int K) {
+// The input the warps read: x * norm_w staged in the block's shared memory when norm_w is given
+// (the norm's 1 / rms, a scalar, is applied to the dot products afterwards: one pass over x
+// computes both), else x itself with scale 1. Every thread of the block must call it (it
+// synchronises). K % 4 == 0.
+__device__ __forceinline__ const float* gemv_input(const float* x, const float* norm_w, float eps, int K,
+                                                   float* scale) {
     extern __shared__ float gemv_x[];
     __shared__ float scratch[32];
+    *scale = 1.0f;
     if (!norm_w) return x;
-    const float4* x4 = (const float4*)x;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-        const float4 v = x4[i];
+        const float4 v = ((const float4*)x)[i], w = ((const float4*)norm_w)[i];
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        ((float4*)gemv_x)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
     }
-    const float r = rsqrtf(block_sum(ss, scratch) / K + eps);
-    for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-        const float4 v = x4[i], w = ((const float4*)norm_w)[i];
-        ((float4*)gemv_x)[i] = make_float4(v.x * r * w.x, v.y * r * w.y, v.z * r * w.z, v.w * r * w.w);
-    }
-    __syncthreads();
+    *scale = rsqrtf(block_sum(ss, scratch) / K + eps);  // block_sum's barriers publish gemv_x too
     return gemv_x;
 }
 
@@ -117,10 +117,9 @@ struct GemvStage {
     }
 };
 
-// acc[r] = rows[r] · x, summed over the warp. The first stage's loads are issued before the input
-// is staged (gemv_input), so the norm's prologue overlaps them, and before waiting for the previous
-// kernel (launched early, the first weights stream in while it finishes); then each stage's
-// successor is fetched before the stage is used, two stages in flight.
+// acc[r] = rows[r] · x (normalised), summed over the warp. The first two stages' loads are issued
+// before waiting for the previous kernel (launched early, the first weights stream in while it
+// finishes) and before the input is staged; then each stage is refilled as soon as it is used.
 template <int ROWS, int PER_CHUNK, class R>
 __device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const float* x, const float* norm_w,
                                               float eps, int K, float* acc) {
@@ -128,19 +127,23 @@ __device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const 
     const int lane = threadIdx.x % WARP_SIZE, chunks = K / PER_CHUNK, step = Stage::INFLIGHT * WARP_SIZE;
     Stage cur, next;
     pdl_launch_dependents();
-    if (active) cur.fetch(rows, lane, chunks);
+    if (active) {
+        cur.fetch(rows, lane, chunks);
+        next.fetch(rows, lane + step, chunks);
+    }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    const float* xs = gemv_input(x, norm_w, eps, K);
+    float scale;
+    const float* xs = gemv_input(x, norm_w, eps, K, &scale);
     if (!active) return;
     for (int c0 = lane; c0 < chunks; c0 += 2 * step) {
-        if (c0 + step < chunks) next.fetch(rows, c0 + step, chunks);
         cur.template consume<PER_CHUNK>(rows, c0, chunks, xs, acc);
-        if (c0 + step >= chunks) break;
         if (c0 + 2 * step < chunks) cur.fetch(rows, c0 + 2 * step, chunks);
+        if (c0 + step >= chunks) break;
         next.template consume<PER_CHUNK>(rows, c0 + step, chunks, xs, acc);
+        if (c0 + 3 * step < chunks) next.fetch(rows, c0 + 3 * step, chunks);
     }
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]) * scale;
 }
 
 // Up to three projections of the same input in one launch (q, k and v): rows [0, n0) go to y0,
