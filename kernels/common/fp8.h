@@ -12,12 +12,14 @@ __device__ __forceinline__ float e4m3_scaled(unsigned int code) {
     return __uint_as_float(((code & 0x80u) << 24) | ((code & 0x7fu) << 20));
 }
 
-// Four codes packed in a 32-bit word, low byte first.
+// Four codes packed in a 32-bit word, low byte first. Each code is moved to the top byte and
+// shifted down arithmetically, which puts its magnitude in place and spreads its sign over bits
+// 27-31; the mask keeps bit 31 of those.
 __device__ __forceinline__ void e4m3x4_scaled(unsigned int w, float* out) {
-    out[0] = __uint_as_float(((w & 0x80u) << 24) | ((w & 0x7fu) << 20));
-    out[1] = __uint_as_float(((w & 0x8000u) << 16) | ((w & 0x7f00u) << 12));
-    out[2] = __uint_as_float(((w & 0x800000u) << 8) | ((w & 0x7f0000u) << 4));
-    out[3] = __uint_as_float((w & 0x80000000u) | ((w & 0x7f000000u) >> 4));
+    out[0] = __uint_as_float((unsigned int)((int)(w << 24) >> 4) & 0x87f00000u);
+    out[1] = __uint_as_float((unsigned int)((int)(w << 16) >> 4) & 0x87f00000u);
+    out[2] = __uint_as_float((unsigned int)((int)(w << 8) >> 4) & 0x87f00000u);
+    out[3] = __uint_as_float((unsigned int)((int)w >> 4) & 0x87f00000u);
 }
 
 // 2^120 as bits (exponent 247): the factor e4m3_scaled leaves out.
