@@ -29,8 +29,7 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
 // the last split of a kv head to finish (a ticket from `counters`, reset afterwards) merges them in
 // split order into out [heads * head_dim]. Splits past the visible positions exit at once, so a
 // recorded step may cover the whole cache. Needs head_dim % 8 == 0, head_dim <= 256,
-// G * head_dim <= DEC_MAX_QD, G <= 16. Launch: grid (kv_heads, splits), block DEC_THREADS; may
-// be launched early (it waits before touching anything).
+// G * head_dim <= DEC_MAX_QD, G <= 16. Launch: grid (kv_heads, splits), block DEC_THREADS.
 #define DEC_TILE 32
 #define DEC_THREADS 256
 #define DEC_MAX_QD 2048
@@ -46,7 +45,6 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     __shared__ float run_m[16], run_l[16], corr[16];
     __shared__ int is_last;
     pdl_launch_dependents();
-    pdl_wait();
     if (pos_dev) pos = *pos_dev;
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int D = head_dim, G = heads / kv_heads, width = kv_heads * D, ldk = D + 8;

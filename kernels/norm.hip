@@ -70,14 +70,11 @@ ATLAS_KERNEL void norm_rope(float* x, const float* weight, float eps, const floa
 // The start of a layer's attention in one launch: norm_rotate of every q head (in place) and k
 // head, and the KV-cache append of k and v as bf16 at rows start_pos + t. q [T, heads * head_dim],
 // k and v [T, kv_heads * head_dim] f32; caches [capacity, kv_heads * head_dim] bf16. Launch: grid
-// (heads + 2 * kv_heads, T): q heads, then k heads, then v heads; block as norm_rope. May be
-// launched early (it waits before touching anything).
+// (heads + 2 * kv_heads, T): q heads, then k heads, then v heads; block as norm_rope.
 ATLAS_KERNEL void qkv_rope_append(float* q, const float* k, const float* v, const float* q_norm, const float* k_norm,
                                   float eps, const float* inv_freq, int start_pos, const int* pos_dev, bf16* kc,
                                   bf16* vc, int heads, int kv_heads, int head_dim) {
     __shared__ float scratch[32];
-    pdl_launch_dependents();
-    pdl_wait();
     if (pos_dev) start_pos = *pos_dev;
     const int half = head_dim / 2, i = threadIdx.x, t = blockIdx.y, width = kv_heads * head_dim;
     int h = blockIdx.x;

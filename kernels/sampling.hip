@@ -69,3 +69,158 @@ ATLAS_KERNEL void argmax(const float* logits, int n, int limit, const int* limit
         *ticket = 0;
     }
 }
+
+// Top-k on the device: the TOPK_MAX (64) best (value desc, id asc) of the first min(n, limit)
+// logits (limit = *limit_dev, k = *k_dev when those are given: a recorded decode step), of which
+// the first k go to out_v/out_i [k], so only k pairs cross to the host. Order and result are those
+// of sorting (value desc, id asc) and taking k; an output slot with no candidate gets (NEG_INF, -1).
+// Method: every list is 64 (value, id) pairs sorted descending; the top 64 of two sorted lists is
+// max(A[i], B[63 - i]) (a bitonic sequence) followed by a 6-step bitonic merge. Each block takes a
+// contiguous share of the candidates, in tiles of up to TOPK_TILE - 64 new logits loaded into shared
+// memory behind its running top 64: sorts the tile in 64-runs (bitonic) and folds the runs pairwise
+// to one. It writes its sorted 64 to part_v/part_i [blockIdx.x * TOPK_MAX ...]; the last block to
+// finish (an atomic ticket, reset afterwards) folds the TOPK_BLOCKS lists the same way. Every step
+// is a fixed function of the input: the result does not depend on block scheduling.
+// Launch: grid TOPK_BLOCKS (or fewer), block TOPK_THREADS, no dynamic shared memory (32 KB static);
+// part_v/part_i hold TOPK_BLOCKS * TOPK_MAX entries; *ticket is 0 before and after the launch.
+#define TOPK_MAX 64
+#define TOPK_BLOCKS 128
+#define TOPK_THREADS 256
+#define TOPK_TILE 4096         // shared-memory pairs: a block's tile, or the last block's folded lists
+#define TOPK_NO_ID 0x7fffffff  // id of a padding entry (NEG_INF, no candidate): after every real one
+
+#if TOPK_BLOCKS * TOPK_MAX / 2 > TOPK_TILE || (TOPK_BLOCKS & (TOPK_BLOCKS - 1)) != 0
+#error "top_k: TOPK_BLOCKS must be a power of two with TOPK_BLOCKS * TOPK_MAX / 2 <= TOPK_TILE"
+#endif
+
+// (v, i) comes before (bv, bi): larger value, or the same value at a lower id.
+__device__ __forceinline__ bool topk_before(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+// Puts the earlier of entries a and b at a.
+__device__ __forceinline__ void topk_order(float* sv, int* si, int a, int b) {
+    const float va = sv[a], vb = sv[b];
+    const int ia = si[a], ib = si[b];
+    if (topk_before(vb, ib, va, ia)) {
+        sv[a] = vb;
+        si[a] = ib;
+        sv[b] = va;
+        si[b] = ia;
+    }
+}
+
+// Index of the r-th compare pair at distance t inside a run: the lower entry (bit t clear).
+__device__ __forceinline__ int topk_pair(int r, int t) { return ((r & ~(t - 1)) << 1) | (r & (t - 1)); }
+
+// Sorts `runs` bitonic 64-entry runs, starting at s[c * stride], descending (half-cleaners 32..1).
+__device__ void topk_clean(float* sv, int* si, int runs, int stride) {
+    for (int t = TOPK_MAX / 2; t > 0; t >>= 1) {
+        for (int p = threadIdx.x; p < runs * (TOPK_MAX / 2); p += blockDim.x) {
+            const int i = (p / (TOPK_MAX / 2)) * stride + topk_pair(p % (TOPK_MAX / 2), t);
+            topk_order(sv, si, i, i + t);
+        }
+        __syncthreads();
+    }
+}
+
+// s[0 .. len) (len a power of two >= 64) holds sorted 64-runs: folds them pairwise until s[0 .. 64)
+// is the sorted top 64 of all.
+__device__ void topk_fold(float* sv, int* si, int len) {
+    for (int gap = TOPK_MAX; gap < len; gap <<= 1) {
+        const int runs = len / (2 * gap);
+        for (int p = threadIdx.x; p < runs * TOPK_MAX; p += blockDim.x) {
+            const int a = (p / TOPK_MAX) * 2 * gap + p % TOPK_MAX;
+            const int b = (p / TOPK_MAX) * 2 * gap + gap + TOPK_MAX - 1 - p % TOPK_MAX;
+            if (topk_before(sv[b], si[b], sv[a], si[a])) {
+                sv[a] = sv[b];
+                si[a] = si[b];
+            }
+        }
+        __syncthreads();
+        topk_clean(sv, si, runs, 2 * gap);
+    }
+}
+
+ATLAS_KERNEL void top_k(const float* logits, int n, int limit, const int* limit_dev, int k, const int* k_dev,
+                        float* part_v, int* part_i, int* ticket, float* out_v, int* out_i) {
+    __shared__ float sv[TOPK_TILE];
+    __shared__ int si[TOPK_TILE];
+    __shared__ int is_last;
+    if (limit_dev) limit = *limit_dev;
+    const int end = max(0, min(n, limit));
+    const int share = (end + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int lo = min(end, (int)blockIdx.x * share), hi = min(end, lo + share);
+
+    // The block's top 64 so far lives in s[0 .. 64); each tile's logits go behind it.
+    for (int j = threadIdx.x; j < TOPK_MAX; j += blockDim.x) {
+        sv[j] = NEG_INF;
+        si[j] = TOPK_NO_ID;
+    }
+    for (int base = lo; base < hi; base += TOPK_TILE - TOPK_MAX) {
+        const int count = min(hi - base, TOPK_TILE - TOPK_MAX);
+        int len = 2 * TOPK_MAX;
+        while (len < count + TOPK_MAX) len <<= 1;
+        for (int j = threadIdx.x; j < len - TOPK_MAX; j += blockDim.x) {
+            sv[TOPK_MAX + j] = j < count ? logits[base + j] : NEG_INF;
+            si[TOPK_MAX + j] = j < count ? base + j : TOPK_NO_ID;
+        }
+        __syncthreads();
+        // Bitonic sort of every 64-run, all descending: the first step of each size compares mirror
+        // images within the size (so both halves may be sorted the same way), then half-cleaners.
+        for (int size = 2; size <= TOPK_MAX; size <<= 1) {
+            for (int t = size / 2; t > 0; t >>= 1) {
+                for (int p = threadIdx.x; p < len / 2; p += blockDim.x) {
+                    const int i = topk_pair(p, t);
+                    topk_order(sv, si, i, t == size / 2 ? i ^ (size - 1) : i + t);
+                }
+                __syncthreads();
+            }
+        }
+        topk_fold(sv, si, len);
+    }
+
+    for (int j = threadIdx.x; j < TOPK_MAX; j += blockDim.x) {
+        part_v[blockIdx.x * TOPK_MAX + j] = sv[j];
+        part_i[blockIdx.x * TOPK_MAX + j] = si[j];
+        __threadfence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+
+    // Last block: the first fold happens while loading (list 2q against list 2q + 1, absent lists
+    // are padding), then the TOPK_BLOCKS / 2 bitonic runs are sorted and folded to one.
+    const volatile float* pv = part_v;
+    const volatile int* pi = part_i;
+    for (int p = threadIdx.x; p < TOPK_BLOCKS / 2 * TOPK_MAX; p += blockDim.x) {
+        const int q = p / TOPK_MAX, j = p % TOPK_MAX;
+        const int a = 2 * q * TOPK_MAX + j, b = (2 * q + 1) * TOPK_MAX + TOPK_MAX - 1 - j;
+        float v = NEG_INF, bv = NEG_INF;
+        int i = TOPK_NO_ID, bi = TOPK_NO_ID;
+        if (2 * q < (int)gridDim.x) {
+            v = pv[a];
+            i = pi[a];
+        }
+        if (2 * q + 1 < (int)gridDim.x) {
+            bv = pv[b];
+            bi = pi[b];
+        }
+        const bool take_b = topk_before(bv, bi, v, i);
+        sv[p] = take_b ? bv : v;
+        si[p] = take_b ? bi : i;
+    }
+    __syncthreads();
+    topk_clean(sv, si, TOPK_BLOCKS / 2, TOPK_MAX);
+    topk_fold(sv, si, TOPK_BLOCKS / 2 * TOPK_MAX);
+
+    if (k_dev) k = *k_dev;
+    k = max(0, min(k, TOPK_MAX));
+    for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        out_v[j] = sv[j];
+        out_i[j] = si[j] == TOPK_NO_ID ? -1 : si[j];
+    }
+    if (threadIdx.x == 0) *ticket = 0;
+}

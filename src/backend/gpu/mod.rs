@@ -315,7 +315,7 @@ impl GpuBackend {
                 Arg::I32(d as i32),
                 Arg::F32(scale),
             ];
-            self.rt.launch_early("attention_decode", [num_kv_heads as u32, splits as u32, 1], [DEC_THREADS, 1, 1], 0, &args)?;
+            self.rt.launch("attention_decode", [num_kv_heads as u32, splits as u32, 1], [DEC_THREADS, 1, 1], 0, &args)?;
         } else {
             let args = [
                 Arg::Ptr(q.buf.ptr),
@@ -729,7 +729,7 @@ impl Backend for GpuBackend {
         ];
         let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
         let grid = [(shape.num_heads + 2 * shape.num_kv_heads) as u32, q.rows as u32, 1];
-        self.rt.launch_early("qkv_rope_append", grid, [threads, 1, 1], 0, &args)?;
+        self.rt.launch("qkv_rope_append", grid, [threads, 1, 1], 0, &args)?;
         self.attend(&q, cache, start_pos, shape)
     }
 
