@@ -20,9 +20,10 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
 
 // Decode (one query row at position `pos`, over positions 0..pos), grouped-query aware: block
 // (kv head, split) takes the G = heads / kv_heads query heads that share the kv head, so every key
-// and value row is read once. The visible positions are cut into `splits` (gridDim.y) chunks of a
-// whole number of tiles, sized from `pos` on the device so that a recorded step spreads short and
-// long contexts alike over the GPU. A split's positions come through shared memory in tiles of
+// and value row is read once. The visible positions are cut into at most `splits` (gridDim.y)
+// chunks of a whole number of tiles and at least `min_chunk` positions, sized from `pos` on the
+// device, so that a recorded step spreads long contexts over the GPU and keeps short ones in one
+// split (which writes its result directly). A split's positions come through shared memory in tiles of
 // DEC_TILE rows, the next tile's loads in flight while the current one is used;
 // an online softmax per query head (running max and sum) keeps the weighted values in registers.
 // Each split writes (max, sum, acc[head_dim]) per head to `partial` [heads, splits, head_dim + 2];
@@ -37,7 +38,7 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
 
 ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* vc, float* partial, int* counters,
                                    float* out, int pos, const int* pos_dev, int heads, int kv_heads, int head_dim,
-                                   float scale) {
+                                   float scale, int min_chunk) {
     __shared__ float qs[DEC_MAX_QD];
     __shared__ __attribute__((aligned(16))) bf16 ks[DEC_TILE * (256 + 8)];
     __shared__ __attribute__((aligned(16))) bf16 vs[DEC_TILE * 256];
@@ -50,7 +51,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     const int D = head_dim, G = heads / kv_heads, width = kv_heads * D, ldk = D + 8;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const int visible = pos + 1;
-    const int chunk = ((visible + splits - 1) / splits + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
+    const int chunk = max(min_chunk, ((visible + splits - 1) / splits + DEC_TILE - 1) / DEC_TILE * DEC_TILE);
     const int active = (visible + chunk - 1) / chunk;
     if (split >= active) return;
     const int begin = split * chunk, end = min(visible, begin + chunk);
@@ -153,6 +154,20 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     __syncthreads();
 
     const long head0 = (long)kvh * G;
+    if (active == 1) {
+        // A short context fits one split: no partials to merge.
+#pragma unroll
+        for (int j = 0; j < DEC_MAX_QD / 2 / DEC_THREADS; j++) {
+            const int idx = tid + j * DEC_THREADS;
+            if (idx < pairs) {
+                const int g = idx / (D / 2), d2 = idx % (D / 2);
+                float* dst = out + (head0 + g) * D + 2 * d2;
+                dst[0] = acc[j][0] / run_l[g];
+                dst[1] = acc[j][1] / run_l[g];
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < DEC_MAX_QD / 2 / DEC_THREADS; j++) {
         const int idx = tid + j * DEC_THREADS;

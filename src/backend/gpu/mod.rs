@@ -138,10 +138,8 @@ const DEC_THREADS: u32 = 256;
 const DEC_MAX_QD: usize = 2048;
 /// Largest input the one-token kernels normalise into shared memory (48 KB with their scratch).
 const GEMV_MAX_STAGED: usize = 12_224;
-/// Decode attention: one split per this many cached positions (at most ATTENTION_MAX_SPLITS),
-/// tiles of DEC_TILE positions.
+/// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.
 const ATTENTION_CHUNK: usize = 256;
-const DEC_TILE: usize = 32;
 const ATTENTION_MAX_SPLITS: usize = 128;
 const MAX_KV_HEADS: usize = 1024;
 const ARGMAX_BLOCKS: u32 = 128;
@@ -293,13 +291,10 @@ impl GpuBackend {
         let scale = 1.0 / (d as f32).sqrt();
         let group = num_heads / num_kv_heads;
         if t == 1 && group * d <= DEC_MAX_QD && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
-            // A recording must fit every later position: it covers the whole cache. Long contexts
-            // get a split per ATTENTION_CHUNK positions, short ones up to 16 splits of a tile.
+            // A recording must fit every later position: it covers the whole cache (the kernel
+            // sizes the splits from the position).
             let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + 1 };
-            let splits = longest
-                .div_ceil(ATTENTION_CHUNK)
-                .max(longest.div_ceil(DEC_TILE).min(16))
-                .min(ATTENTION_MAX_SPLITS);
+            let splits = longest.div_ceil(ATTENTION_CHUNK).min(ATTENTION_MAX_SPLITS);
             let partial = self.scratch(num_heads * splits * (d + 2) * 4)?;
             let args = [
                 Arg::Ptr(q.buf.ptr),
@@ -314,6 +309,7 @@ impl GpuBackend {
                 Arg::I32(num_kv_heads as i32),
                 Arg::I32(d as i32),
                 Arg::F32(scale),
+                Arg::I32(ATTENTION_CHUNK as i32),
             ];
             self.rt.launch("attention_decode", [num_kv_heads as u32, splits as u32, 1], [DEC_THREADS, 1, 1], 0, &args)?;
         } else {
