@@ -128,14 +128,31 @@ impl Sampler {
         if self.params.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cands: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.params.temperature)).collect();
-        // Sort by logit, ties by id, so the order never depends on the sort algorithm.
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if self.params.top_k > 0 && self.params.top_k < cands.len() {
-            cands.select_nth_unstable_by(self.params.top_k - 1, by_logit);
-            cands.truncate(self.params.top_k);
+        let k = if self.params.top_k > 0 { self.params.top_k } else { logits.len() };
+        self.draw(top_k(logits, k, logits.len()))
+    }
+
+    /// When the next token depends only on the `k` largest logits (top-k sampling with no
+    /// penalties), `Some(k)`: a GPU then hands over those k (id, logit) pairs instead of every logit.
+    pub fn device_top_k(&self) -> Option<usize> {
+        let p = &self.params;
+        let no_penalties = p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+        (p.temperature > 0.0 && no_penalties && (1..=MAX_DEVICE_TOP_K).contains(&p.top_k)).then_some(p.top_k)
+    }
+
+    /// Chooses the next token from the `device_top_k()` largest logits (id, logit), as `sample`
+    /// would from all of them.
+    pub fn sample_top_k(&mut self, best: Vec<(u32, f32)>) -> u32 {
+        let limit = self.vocab_limit;
+        self.draw(best.into_iter().filter(|c| (c.0 as usize) < limit).collect())
+    }
+
+    /// Temperature, top-p and min-p over candidate (id, logit) pairs, then the seeded draw.
+    fn draw(&mut self, mut cands: Vec<(u32, f32)>) -> u32 {
+        if cands.is_empty() {
+            return 0;
         }
+        cands.iter_mut().for_each(|c| c.1 /= self.params.temperature);
         cands.sort_unstable_by(by_logit);
         let probs = top_p_min_p(&cands, self.params.top_p, self.params.min_p);
         let total: f64 = probs.iter().sum();
@@ -175,6 +192,25 @@ impl Sampler {
             }
         }
     }
+}
+
+/// The most candidates a GPU selects for top-k sampling (TOPK_MAX in kernels/sampling.hip).
+pub const MAX_DEVICE_TOP_K: usize = 64;
+
+/// Larger logit first, ties by lower id, so the order never depends on the sort algorithm.
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The `k` largest (id, logit) pairs among the first `limit` logits, largest first (ties by id).
+pub fn top_k(logits: &[f32], k: usize, limit: usize) -> Vec<(u32, f32)> {
+    let mut cands: Vec<(u32, f32)> = logits[..limit.min(logits.len())].iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    if k < cands.len() {
+        cands.select_nth_unstable_by(k.max(1) - 1, by_logit);
+        cands.truncate(k.max(1));
+    }
+    cands.sort_unstable_by(by_logit);
+    cands
 }
 
 /// Index of the largest logit; the lowest index wins a tie, as torch.argmax does.
@@ -239,6 +275,23 @@ mod tests {
     fn draw(p: SamplingParams, n: usize) -> Vec<u32> {
         let mut s = Sampler::new(p, usize::MAX);
         (0..n).map(|_| s.sample(&mut logits(), &[], 0)).collect()
+    }
+
+    #[test]
+    fn device_top_k_draws_what_the_full_sampler_draws() {
+        let l = logits();
+        for (k, top_p, min_p) in [(20, 0.95, 0.0), (1, 1.0, 0.0), (64, 0.8, 0.05), (5, 1.0, 0.0)] {
+            let p = SamplingParams { top_k: k, top_p, min_p, ..params(0.7) };
+            let (mut full, mut fast) = (Sampler::new(p.clone(), usize::MAX), Sampler::new(p, usize::MAX));
+            assert_eq!(fast.device_top_k(), Some(k));
+            for _ in 0..50 {
+                let want = full.sample(&mut l.clone(), &[], 0);
+                assert_eq!(fast.sample_top_k(top_k(&l, k, l.len())), want, "k {k}");
+            }
+        }
+        let penalised = SamplingParams { top_k: 20, repetition_penalty: 1.1, ..params(0.7) };
+        assert_eq!(Sampler::new(penalised, usize::MAX).device_top_k(), None);
+        assert_eq!(Sampler::new(params(0.7), usize::MAX).device_top_k(), None, "no top-k: every logit");
     }
 
     #[test]

@@ -216,6 +216,17 @@ fn embedding_linear_and_argmax() {
     assert_eq!(g.argmax(&t, usize::MAX).unwrap(), best);
     let limited = atlas::sampling::argmax(&logits[..1000]);
     assert_eq!(g.argmax(&t, 1000).unwrap(), limited);
+
+    // Top-k candidates for sampling: exact, ordered by value then id, with ties and a limit.
+    let mut tied = random(&mut rng, 151_936, 5.0);
+    tied.iter_mut().step_by(7).for_each(|v| *v = v.round());
+    let tt = g.upload_f32(1, tied.len(), &tied).unwrap();
+    for (values, t, k, limit) in [(&logits, &t, 64, usize::MAX), (&logits, &t, 20, 151_669), (&tied, &tt, 64, usize::MAX), (&tied, &tt, 1, 5000)] {
+        let want = atlas::sampling::top_k(values, k, limit);
+        for _ in 0..3 {
+            assert_eq!(g.top_k(t, k, limit).unwrap(), want, "top_k k={k} limit={limit}");
+        }
+    }
 }
 
 #[test]
@@ -312,4 +323,23 @@ fn fixture_models_match_the_cpu() {
         let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / max_ref;
         assert!(err < 2e-2, "{name}: replayed decode step, relative error {err}");
     }
+}
+
+#[test]
+fn top_k_sampling_on_the_device_is_reproducible() {
+    if gpu().is_none() {
+        return;
+    }
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_tied").join("golden.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> = golden["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let mut engine = Engine::load(&EngineOptions { device: Device::Cuda, ..EngineOptions::new(fixture("qwen3_tied")) }, &mut |_| {}).unwrap();
+    let sampling = atlas::sampling::SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.95, seed: Some(7), ..Default::default() };
+    let req = GenerateRequest { prompt, max_tokens: Some(24), sampling, stop: vec![], ignore_eos: true };
+    // Steps after the first replay the recorded graph, then select the candidates on the device.
+    let first = engine.generate_raw(&req).unwrap().tokens;
+    assert_eq!(first.len(), 24);
+    assert_eq!(engine.generate_raw(&req).unwrap().tokens, first, "same seed, same tokens");
+    let other = GenerateRequest { sampling: atlas::sampling::SamplingParams { seed: Some(8), ..req.sampling.clone() }, ..req.clone() };
+    assert_ne!(engine.generate_raw(&other).unwrap().tokens, first, "another seed draws differently");
 }

@@ -43,12 +43,15 @@ pub enum StepOutput {
     Logits,
     /// Only the index of the largest logit among the first `limit` (greedy decoding).
     Argmax { limit: usize },
+    /// The `k` largest logits among the first `limit`, as (id, logit), largest first (top-k sampling).
+    TopK { k: usize, limit: usize },
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepResult {
     Logits(Vec<f32>),
     Token(u32),
+    Candidates(Vec<(u32, f32)>),
 }
 
 pub trait Backend: Send + Sync {
@@ -168,6 +171,12 @@ pub trait Backend: Send + Sync {
     fn argmax(&self, x: &Self::Tensor, limit: usize) -> Result<u32> {
         let values = self.to_host(x)?;
         Ok(crate::sampling::argmax(&values[..limit.min(values.len())]))
+    }
+
+    /// The `k` largest of the first `limit` values of a `[1, n]` tensor as (index, value), largest
+    /// first, ties by index.
+    fn top_k(&self, x: &Self::Tensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
+        Ok(crate::sampling::top_k(&self.to_host(x)?, k, limit))
     }
 
     /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the

@@ -324,12 +324,17 @@ impl Engine {
         let reuse = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
         self.cached.truncate(reuse);
         let t0 = Instant::now();
-        // Plain greedy decoding takes the argmax where the logits are; anything else samples on
-        // the host from the downloaded logits.
+        // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
+        // the k best logits from there; anything else samples from every logit on the host.
         let greedy = sampler.is_plain_greedy();
+        let top_k = sampler.device_top_k();
         let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| {
             if greedy {
                 return model.forward_greedy(tokens, pos, sampler.vocab_limit());
+            }
+            if let Some(k) = top_k {
+                let best = model.forward_top_k(tokens, pos, k, sampler.vocab_limit())?;
+                return Ok(sampler.sample_top_k(best));
             }
             let mut logits = model.forward(tokens, pos)?;
             Ok(sampler.sample(&mut logits, history, prompt.len()))

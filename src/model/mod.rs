@@ -27,7 +27,7 @@ pub trait LanguageModel: Send {
     fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
         match self.step(tokens, start_pos, StepOutput::Logits)? {
             StepResult::Logits(l) => Ok(l),
-            StepResult::Token(_) => Err(Error::Device("the backend returned a token instead of logits".into())),
+            _ => Err(Error::Device("the backend did not return logits".into())),
         }
     }
 
@@ -35,7 +35,15 @@ pub trait LanguageModel: Send {
     fn forward_greedy(&mut self, tokens: &[u32], start_pos: usize, limit: usize) -> Result<u32> {
         match self.step(tokens, start_pos, StepOutput::Argmax { limit })? {
             StepResult::Token(t) => Ok(t),
-            StepResult::Logits(l) => Ok(crate::sampling::argmax(&l[..limit.min(l.len())])),
+            _ => Err(Error::Device("the backend did not return a token".into())),
+        }
+    }
+
+    /// The `k` largest of the first `limit` logits as (id, logit), largest first.
+    fn forward_top_k(&mut self, tokens: &[u32], start_pos: usize, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
+        match self.step(tokens, start_pos, StepOutput::TopK { k, limit })? {
+            StepResult::Candidates(c) => Ok(c),
+            _ => Err(Error::Device("the backend did not return candidates".into())),
         }
     }
     fn backend_description(&self) -> String;
@@ -87,6 +95,7 @@ impl<B: Backend> LanguageModel for Bound<B> {
         Ok(match want {
             StepOutput::Logits => StepResult::Logits(b.to_host(&logits)?),
             StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
+            StepOutput::TopK { k, limit } => StepResult::Candidates(b.top_k(&logits, k, limit)?),
         })
     }
 

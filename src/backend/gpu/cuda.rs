@@ -28,10 +28,10 @@ pub struct CudaRuntime {
 unsafe impl Send for CudaRuntime {}
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 21] = [
+pub(crate) const KERNELS: [&str; 22] = [
     "silu_mul", "add_inplace", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
-    "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax",
+    "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
 ];
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {

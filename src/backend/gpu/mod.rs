@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use self::runtime::{Arg, Runtime};
 use super::{AttentionShape, Backend, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
+use crate::sampling::MAX_DEVICE_TOP_K;
 use crate::quant::{DType, QuantMatrix};
 use crate::{Error, Result};
 
@@ -96,7 +97,8 @@ pub struct GpuKvCache {
 pub struct GpuBackend {
     rt: Arc<dyn Runtime>,
     /// Tickets of the kernels whose last block finishes the work (attention_decode's splits, one
-    /// per kv head, then argmax's), each left at zero by its launch; then argmax's partial results.
+    /// per kv head, argmax, top_k), each left at zero by its launch, and their partial results
+    /// (see `Scratch`).
     tickets: Mutex<Option<DeviceBuffer>>,
     /// The rotary frequency table on the device, uploaded once (every layer uses the same one).
     rope_table: Mutex<Option<(Vec<f32>, GpuTensor)>>,
@@ -143,6 +145,25 @@ const ATTENTION_CHUNK: usize = 256;
 const ATTENTION_MAX_SPLITS: usize = 128;
 const MAX_KV_HEADS: usize = 1024;
 const ARGMAX_BLOCKS: u32 = 128;
+const TOPK_BLOCKS: u32 = 128;
+/// TOPK_MAX of kernels/sampling.hip.
+const TOPK_PARTIAL: usize = TOPK_BLOCKS as usize * MAX_DEVICE_TOP_K;
+
+/// Byte offsets in the tickets buffer: each kernel whose last block finishes the work has a
+/// ticket (left at zero by every launch) and room for its blocks' partial results.
+struct Scratch;
+
+impl Scratch {
+    const ARGMAX_TICKET: u64 = MAX_KV_HEADS as u64 * 4;
+    const ARGMAX_V: u64 = Self::ARGMAX_TICKET + 4;
+    const ARGMAX_I: u64 = Self::ARGMAX_V + ARGMAX_BLOCKS as u64 * 4;
+    const TOPK_TICKET: u64 = Self::ARGMAX_I + ARGMAX_BLOCKS as u64 * 4;
+    const TOPK_V: u64 = Self::TOPK_TICKET + 4;
+    const TOPK_I: u64 = Self::TOPK_V + TOPK_PARTIAL as u64 * 4;
+    const TOPK_OUT_V: u64 = Self::TOPK_I + TOPK_PARTIAL as u64 * 4;
+    const TOPK_OUT_I: u64 = Self::TOPK_OUT_V + MAX_DEVICE_TOP_K as u64 * 4;
+    const BYTES: usize = (Self::TOPK_OUT_I + MAX_DEVICE_TOP_K as u64 * 4) as usize;
+}
 
 fn blocks(n: usize, per: u32) -> u32 {
     n.div_ceil(per as usize) as u32
@@ -181,7 +202,7 @@ impl GpuBackend {
         let ptr = d.inputs.as_ref().map_or(0, |b| b.ptr);
         let limit = match want {
             StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
-            StepOutput::Logits => i32::MAX,
+            StepOutput::Logits | StepOutput::TopK { .. } => i32::MAX,
         };
         let mut bytes = [0u8; 12];
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
@@ -269,14 +290,12 @@ impl GpuBackend {
     }
 
     /// The tickets buffer (see `tickets`), made with the first KV cache, never while a step is
-    /// recorded: [attention tickets; MAX_KV_HEADS], [argmax ticket], [argmax values; ARGMAX_BLOCKS],
-    /// [argmax indices; ARGMAX_BLOCKS].
+    /// recorded. Offsets in `Scratch`.
     fn tickets(&self) -> Result<u64> {
-        const BYTES: usize = (MAX_KV_HEADS + 1 + 2 * ARGMAX_BLOCKS as usize) * 4;
         let mut c = self.tickets.lock().unwrap_or_else(|p| p.into_inner());
         if c.is_none() {
-            let buf = DeviceBuffer::new(&self.rt, BYTES)?;
-            self.rt.upload(buf.ptr, &[0u8; BYTES])?;
+            let buf = DeviceBuffer::new(&self.rt, Scratch::BYTES)?;
+            self.rt.upload(buf.ptr, &vec![0u8; Scratch::BYTES])?;
             *c = Some(buf);
         }
         Ok(c.as_ref().map_or(0, |b| b.ptr))
@@ -363,6 +382,11 @@ impl GpuBackend {
                 let token = d.token.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
                 Ok(StepResult::Token(self.download_token(token.ptr)?))
             }
+            // Selected after the replay, from the recorded step's logits.
+            StepOutput::TopK { k, limit } => {
+                let logits = d.logits.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
+                Ok(StepResult::Candidates(self.top_k(logits, k, limit)?))
+            }
         }
     }
 
@@ -401,8 +425,8 @@ impl GpuBackend {
     /// Queues the argmax of the first `limit` (or *limit_dev) logits into `out` (one i32).
     fn launch_argmax(&self, logits: &GpuTensor, limit: usize, limit_dev: u64, out: u64) -> Result<()> {
         let limit = Arg::I32(limit.min(i32::MAX as usize) as i32);
-        let ticket = self.tickets()? + MAX_KV_HEADS as u64 * 4;
-        let (part_v, part_i) = (ticket + 4, ticket + 4 + u64::from(ARGMAX_BLOCKS) * 4);
+        let base = self.tickets()?;
+        let (ticket, part_v, part_i) = (base + Scratch::ARGMAX_TICKET, base + Scratch::ARGMAX_V, base + Scratch::ARGMAX_I);
         let args = [
             Arg::Ptr(logits.buf.ptr),
             Arg::I32(logits.cols as i32),
@@ -414,6 +438,35 @@ impl GpuBackend {
             Arg::Ptr(out),
         ];
         self.rt.launch("argmax", [ARGMAX_BLOCKS, 1, 1], [256, 1, 1], 0, &args)
+    }
+
+    /// The `k` (at most MAX_DEVICE_TOP_K) largest of the first `limit` logits, largest first.
+    fn device_top_k(&self, logits: &GpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
+        let k = k.clamp(1, MAX_DEVICE_TOP_K);
+        let base = self.tickets()?;
+        let args = [
+            Arg::Ptr(logits.buf.ptr),
+            Arg::I32(logits.cols as i32),
+            Arg::I32(limit.min(i32::MAX as usize) as i32),
+            Arg::Ptr(0),
+            Arg::I32(k as i32),
+            Arg::Ptr(0),
+            Arg::Ptr(base + Scratch::TOPK_V),
+            Arg::Ptr(base + Scratch::TOPK_I),
+            Arg::Ptr(base + Scratch::TOPK_TICKET),
+            Arg::Ptr(base + Scratch::TOPK_OUT_V),
+            Arg::Ptr(base + Scratch::TOPK_OUT_I),
+        ];
+        self.rt.launch("top_k", [TOPK_BLOCKS, 1, 1], [256, 1, 1], 0, &args)?;
+        let mut bytes = vec![0u8; 2 * MAX_DEVICE_TOP_K * 4];
+        self.rt.download(base + Scratch::TOPK_OUT_V, &mut bytes)?;
+        let (values, ids) = bytes.split_at(MAX_DEVICE_TOP_K * 4);
+        let word = |b: &[u8], i: usize| [b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]];
+        Ok((0..k)
+            .map(|i| (i32::from_le_bytes(word(ids, i)), f32::from_le_bytes(word(values, i))))
+            .filter(|&(id, _)| id >= 0)
+            .map(|(id, v)| (id as u32, v))
+            .collect())
     }
 
     fn download_token(&self, ptr: u64) -> Result<u32> {
@@ -784,6 +837,14 @@ impl Backend for GpuBackend {
         let out = self.scratch(4)?;
         self.launch_argmax(x, limit, 0, out.ptr)?;
         self.download_token(out.ptr)
+    }
+
+    fn top_k(&self, x: &GpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
+        if k > MAX_DEVICE_TOP_K || x.rows != 1 {
+            let values = self.to_host(x)?;
+            return Ok(crate::sampling::top_k(&values, k, limit));
+        }
+        self.device_top_k(x, k, limit)
     }
 
     fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<Option<StepResult>> {
