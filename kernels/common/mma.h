@@ -12,10 +12,10 @@
 // Fragment API, for kernels that reuse operands across several products (a warp tile of
 // TM x TN 16x16 tiles loads TM + TN fragments per 16-wide k step instead of 2 * TM * TN):
 //   mma_frag_t f;  mma_load_a(f, A, lda);  mma_load_b(f, B, ldb);  mma16_frag(acc, a, b);
-// computes what mma16(acc, A, lda, B, ldb) does (the scalar fallback may round in another order),
-// with the same accumulator layout.
-// A and B must be in shared memory with 16-byte aligned rows (lda, ldb multiples of 8, 16-byte
-// aligned tile origin): NVIDIA reads them with ldmatrix.
+// computes what mma16(acc, A, lda, B, ldb) does, with the same accumulator layout (on AMD and the
+// scalar fallback mma16 is exactly that). For the fragment API, A and B must be in shared memory
+// with 16-byte aligned rows (lda, ldb multiples of 8, 16-byte aligned tile origin): NVIDIA reads
+// them with ldmatrix.
 #pragma once
 #include "portable.h"
 
@@ -25,6 +25,8 @@
 
 #if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define MMA_ACC 8
+// mma16 reads its operands with 32-bit loads here (no 16-byte row alignment needed).
+#define MMA16_NATIVE 1
 __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
     const int lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
     const unsigned a0 = *(const unsigned*)(A + g * lda + c);
@@ -80,21 +82,6 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
 typedef short short16_t __attribute__((ext_vector_type(16)));
 typedef float float8_t __attribute__((ext_vector_type(8)));
 // Lane l holds row (l % 16) of A and of B, all 16 k; lanes 16-31 repeat lanes 0-15.
-__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
-    const int r = threadIdx.x % 16;
-    short16_t a, b;
-    float8_t c;
-#pragma unroll
-    for (int k = 0; k < 16; k++) {
-        a[k] = (short)A[r * lda + k];
-        b[k] = (short)B[r * ldb + k];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++) c[i] = acc[i];
-    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, c);
-#pragma unroll
-    for (int i = 0; i < 8; i++) acc[i] = c[i];
-}
 __device__ __forceinline__ int mma_row(int i) { return 2 * i + (threadIdx.x % 32) / 16; }
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
@@ -120,21 +107,6 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
 typedef short short8_t __attribute__((ext_vector_type(8)));
 typedef float float8_t __attribute__((ext_vector_type(8)));
 // Lane l holds row (l % 16) of A and of B, k = 8 * (l / 16) .. +7.
-__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
-    const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 32) / 16) * 8;
-    short8_t a, b;
-    float8_t c;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        a[k] = (short)A[r * lda + k0 + k];
-        b[k] = (short)B[r * ldb + k0 + k];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++) c[i] = acc[i];
-    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(a, b, c);
-#pragma unroll
-    for (int i = 0; i < 8; i++) acc[i] = c[i];
-}
 __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 32) / 16) * 8 + i; }
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
@@ -161,21 +133,6 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
 typedef short short4_t __attribute__((ext_vector_type(4)));
 typedef float float4_t __attribute__((ext_vector_type(4)));
 // Lane l holds row (l % 16) of A and of B, k = 4 * (l / 16) .. +3.
-__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
-    const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 64) / 16) * 4;
-    short4_t a, b;
-    float4_t c;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        a[k] = (short)A[r * lda + k0 + k];
-        b[k] = (short)B[r * ldb + k0 + k];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) c[i] = acc[i];
-    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
-#pragma unroll
-    for (int i = 0; i < 4; i++) acc[i] = c[i];
-}
 __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 64) / 16) * 4 + i; }
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
@@ -198,23 +155,14 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
 #else
 #define MMA_ACC (256 / WARP_SIZE)
 // No matrix cores: lane l computes elements l, l + WARP_SIZE, ... of the tile.
-__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
-#pragma unroll
-    for (int i = 0; i < MMA_ACC; i++) {
-        const int e = threadIdx.x % WARP_SIZE + i * WARP_SIZE, r = e / 16, c = e % 16;
-        float s = 0.0f;
-        for (int k = 0; k < 16; k++) s += bf16_to_f32(A[r * lda + k]) * bf16_to_f32(B[c * ldb + k]);
-        acc[i] += s;
-    }
-}
 __device__ __forceinline__ int mma_row(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) / 16; }
 __device__ __forceinline__ int mma_col(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) % 16; }
 
-// The "fragment" is just where the tile lies; the product reads shared memory as mma16 does.
+// The "fragment" is just where the tile lies; the product reads shared memory directly.
 struct mma_frag_t { const bf16* p; int ld; };
 __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) { f.p = A; f.ld = lda; }
 __device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { f.p = B; f.ld = ldb; }
-// Same sums as mma16, reading k in pairs (lda, ldb even) to halve the shared-memory loads.
+// Each lane's dot products over k, read in pairs (lda, ldb even) to halve the shared-memory loads.
 __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
 #pragma unroll
     for (int i = 0; i < MMA_ACC; i++) {
@@ -230,5 +178,15 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
         }
         acc[i] += s;
     }
+}
+#endif
+
+#ifndef MMA16_NATIVE
+// Where fragments are plain loads, the one-call product is the fragment product.
+__device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const bf16* B, int ldb) {
+    mma_frag_t a, b;
+    mma_load_a(a, A, lda);
+    mma_load_b(b, B, ldb);
+    mma16_frag(acc, a, b);
 }
 #endif
