@@ -1,8 +1,10 @@
 // Prefill attention on the matrix cores (FlashAttention-2 scheme): causal, grouped-query, over the
 // bf16 KV cache.
 //
-//   flash_attention(q, kc, vc, out, start_pos, T, heads, kv_heads, head_dim, scale)
+//   flash_attention(q, kc, vc, out, start_pos, pos_dev, T, heads, kv_heads, head_dim, scale)
 //   q   [T, heads*head_dim] f32 (rotary already applied); row t is the query at position start_pos + t
+//       (start_pos read from *pos_dev when pos_dev is not null: a recorded decode step's one row,
+//       for group sizes attention_decode does not take)
 //   kc, vc [capacity, kv_heads*head_dim] bf16, holding positions 0 .. start_pos+T-1
 //   out [T, heads*head_dim] f32, overwritten:
 //       out[t, h*head_dim + d] = sum_{p <= start_pos+t} softmax_p(scale * q_t·k_p) v_p[d]
@@ -307,9 +309,10 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
 }
 
 ATLAS_KERNEL void FA_LAUNCH_BOUNDS flash_attention(const float* q, const bf16* kc, const bf16* vc, float* out,
-                                                   int start_pos, int T, int heads, int kv_heads, int head_dim,
-                                                   float scale) {
+                                                   int start_pos, const int* pos_dev, int T, int heads,
+                                                   int kv_heads, int head_dim, float scale) {
     __shared__ uint4 fa_smem[(FA_SMEM_BYTES + 15) / 16];
+    if (pos_dev) start_pos = *pos_dev;
     unsigned char* smem = (unsigned char*)fa_smem;
     // Heaviest query blocks (the end of the causal triangle) first; the heads of one block index
     // adjacent, so the heads of a KV group read the same keys at about the same time.

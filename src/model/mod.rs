@@ -55,6 +55,8 @@ pub struct Bound<B: Backend> {
     cache: Vec<B::KvCache>,
     /// Forward passes so far: decode steps are recorded only once everything they touch exists.
     passes: usize,
+    /// False once the backend failed to record a decode step: later steps run without a graph.
+    recordable: bool,
 }
 
 impl<B: Backend> Bound<B> {
@@ -67,7 +69,7 @@ impl<B: Backend> Bound<B> {
     ) -> Result<Self> {
         let model = qwen3::Qwen3::load(config, source, &backend, progress)?;
         let cache = model.new_cache(&backend, ctx_size)?;
-        Ok(Bound { backend, model, cache, passes: 0 })
+        Ok(Bound { backend, model, cache, passes: 0, recordable: true })
     }
 }
 
@@ -81,13 +83,18 @@ impl<B: Backend> LanguageModel for Bound<B> {
             return Err(Error::InvalidRequest("no tokens to run".into()));
         }
         let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
-        if let ([token], true) = (tokens, self.passes > 0) {
+        if let ([token], true) = (tokens, self.passes > 0 && self.recordable) {
             if let Some(out) = b.replay_decode(*token, start_pos, want)? {
                 return Ok(out);
             }
             let mut step = || model.forward(b, tokens, start_pos, cache);
-            if let Some(out) = b.record_decode(*token, start_pos, model.config.vocab_size, want, &mut step)? {
-                return Ok(out);
+            match b.record_decode(*token, start_pos, model.config.vocab_size, want, &mut step) {
+                Ok(Some(out)) => return Ok(out),
+                Ok(None) => {}
+                // The driver could not record this step (nothing ran): run it, and the later
+                // ones, without a graph. Errors of the request itself are returned.
+                Err(Error::Device(_) | Error::Unsupported(_)) => self.recordable = false,
+                Err(e) => return Err(e),
             }
         }
         self.passes += 1;

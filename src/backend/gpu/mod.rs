@@ -338,6 +338,7 @@ impl GpuBackend {
                 Arg::Ptr(cache.values.ptr),
                 Arg::Ptr(out.buf.ptr),
                 Arg::I32(start_pos as i32),
+                Arg::Ptr(pos_dev.unwrap_or(0)),
                 Arg::I32(t as i32),
                 Arg::I32(num_heads as i32),
                 Arg::I32(num_kv_heads as i32),
@@ -901,7 +902,10 @@ impl Backend for GpuBackend {
             }
         };
         // Capturing records without running: run it once now.
-        self.rt.launch_graph(exec)?;
+        if let Err(e) = self.rt.launch_graph(exec) {
+            self.rt.destroy_graph(exec);
+            return Err(e);
+        }
         let mut d = self.decode_state();
         d.logits = Some(logits);
         d.token = Some(token_out);
