@@ -68,3 +68,17 @@ fn missing_shard_and_bad_config() {
     std::fs::write(dir.join("config.json"), "{not json").unwrap();
     assert!(load_error(&dir).contains("config.json"));
 }
+
+#[test]
+fn out_of_vocabulary_token_is_refused_and_the_model_stays_usable() {
+    let mut engine = Engine::load(&EngineOptions::new(fixture("qwen3_tied")), &mut |_| {}).unwrap();
+    let vocab = engine.config().vocab_size as u32;
+    let first = engine.forward(&[1, 2, 3], 0).unwrap();
+    // A decode step (the path a GPU replays from device memory) and a prompt.
+    for (tokens, pos) in [(vec![vocab], 3), (vec![4, vocab + 7], 3)] {
+        let err = engine.forward(&tokens, pos).unwrap_err().to_string();
+        assert!(err.contains("outside the model's vocabulary"), "{err}");
+    }
+    assert_eq!(engine.forward(&[1, 2, 3], 0).unwrap(), first);
+    engine.forward_greedy(&[4], 3).unwrap();
+}

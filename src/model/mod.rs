@@ -82,6 +82,11 @@ impl<B: Backend> LanguageModel for Bound<B> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("no tokens to run".into()));
         }
+        // Checked here for every path: a replayed decode step reads its token on the device.
+        let vocab = self.model.config.vocab_size;
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidRequest(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
+        }
         let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable) {
             if let Some(out) = b.replay_decode(*token, start_pos, want)? {
