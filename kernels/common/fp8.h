@@ -8,18 +8,20 @@
 // Placing the 7 magnitude bits of an E4M3 code at the top of an f32's exponent/mantissa gives the
 // value times 2^-120 (normal and subnormal codes alike, exactly); callers fold the 2^120 into the
 // block scale with fp8_scale(). NaN codes come out as a large finite number (checkpoints have none).
-__device__ __forceinline__ float e4m3_scaled(unsigned int code) {
-    return __uint_as_float(((code & 0x80u) << 24) | ((code & 0x7fu) << 20));
+// `top`: a word whose top byte is the code (lower bits ignored). The arithmetic shift puts the
+// magnitude in place and spreads the sign over bits 27-31; the mask keeps bit 31 of those.
+__device__ __forceinline__ float e4m3_top_scaled(unsigned int top) {
+    return __uint_as_float((unsigned int)((int)top >> 4) & 0x87f00000u);
 }
 
-// Four codes packed in a 32-bit word, low byte first. Each code is moved to the top byte and
-// shifted down arithmetically, which puts its magnitude in place and spreads its sign over bits
-// 27-31; the mask keeps bit 31 of those.
+__device__ __forceinline__ float e4m3_scaled(unsigned int code) { return e4m3_top_scaled(code << 24); }
+
+// Four codes packed in a 32-bit word, low byte first.
 __device__ __forceinline__ void e4m3x4_scaled(unsigned int w, float* out) {
-    out[0] = __uint_as_float((unsigned int)((int)(w << 24) >> 4) & 0x87f00000u);
-    out[1] = __uint_as_float((unsigned int)((int)(w << 16) >> 4) & 0x87f00000u);
-    out[2] = __uint_as_float((unsigned int)((int)(w << 8) >> 4) & 0x87f00000u);
-    out[3] = __uint_as_float((unsigned int)((int)w >> 4) & 0x87f00000u);
+    out[0] = e4m3_top_scaled(w << 24);
+    out[1] = e4m3_top_scaled(w << 16);
+    out[2] = e4m3_top_scaled(w << 8);
+    out[3] = e4m3_top_scaled(w);
 }
 
 // 2^120 as bits (exponent 247): the factor e4m3_scaled leaves out.
