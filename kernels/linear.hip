@@ -39,35 +39,36 @@ struct Bf16Weights {
     __device__ __forceinline__ Row row(int n) const { return Row{(const uint4*)(w + (long)n * K)}; }
 };
 
-// FP8 E4M3 with a scale per 128x128 block (common/fp8.h). A 16-byte chunk lies in one block.
-struct Fp8Weights {
-    static constexpr int PER_CHUNK = 16;
-    const unsigned char* w;
-    const float* scales;
-    int K;
-    struct Row {
-        // More loads in flight than bf16: the E4M3 decoding leaves the loads fewer cycles.
-        static constexpr int STAGE_LOADS = 4;
-        const uint4* p;
-        const float* scale;  // the row's line of the scale grid
-        __device__ __forceinline__ uint4 load(int c) const { return p[c]; }
-        __device__ __forceinline__ float dot(uint4 q, const float* xc, int c) const {
-            const unsigned int words[4] = {q.x, q.y, q.z, q.w};
-            float s = 0.0f;
+// Calls store(i, v) for every float4 i < K / 4 of x, times norm_w when given, and returns this
+// thread's part of the sum of squares of x. Each thread loads four float4 (and their weights) at a
+// time, so that their latencies overlap: the staging of the input sits between the previous
+// kernel's end and the first product. K % 4 == 0.
+template <class Store>
+__device__ __forceinline__ float stage_input4(const float* x, const float* norm_w, int K, Store store) {
+    const float4* x4 = (const float4*)x;
+    const float4* w4 = (const float4*)norm_w;
+    float ss = 0.0f;
+    for (int base = threadIdx.x; base < K / 4; base += 4 * blockDim.x) {
+        float4 v[4], w[4];
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float v[4];
-                e4m3x4_scaled(words[j], v);
-                s += v[0] * xc[4 * j] + v[1] * xc[4 * j + 1] + v[2] * xc[4 * j + 2] + v[3] * xc[4 * j + 3];
+        for (int j = 0; j < 4; j++) {
+            const int i = base + j * blockDim.x;
+            if (i < K / 4) {
+                v[j] = x4[i];
+                w[j] = norm_w ? w4[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
             }
-            return s * fp8_scale(scale[c * PER_CHUNK / FP8_BLOCK]);
         }
-    };
-    __device__ __forceinline__ Row row(int n) const {
-        const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
-        return Row{(const uint4*)(w + (long)n * K), scales + (n / FP8_BLOCK) * kblocks};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = base + j * blockDim.x;
+            if (i < K / 4) {
+                ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+                store(i, make_float4(v[j].x * w[j].x, v[j].y * w[j].y, v[j].z * w[j].z, v[j].w * w[j].w));
+            }
+        }
     }
-};
+    return ss;
+}
 
 // The input the warps read: x * norm_w staged in the block's shared memory when norm_w is given
 // (the norm's 1 / rms, a scalar, is applied to the dot products afterwards: one pass over x
@@ -79,12 +80,7 @@ __device__ __forceinline__ const float* gemv_input(const float* x, const float* 
     __shared__ float scratch[32];
     *scale = 1.0f;
     if (!norm_w) return x;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-        const float4 v = ((const float4*)x)[i], w = ((const float4*)norm_w)[i];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        ((float4*)gemv_x)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
-    }
+    const float ss = stage_input4(x, norm_w, K, [](int i, float4 v) { ((float4*)gemv_x)[i] = v; });
     *scale = rsqrtf(block_sum(ss, scratch) / K + eps);  // block_sum's barriers publish gemv_x too
     return gemv_x;
 }
@@ -216,25 +212,192 @@ ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, con
           eps, residual, K);
 }
 
-// FP8 block-scaled weights: K % 16 == 0; s0..s2 the scale grids.
-ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
-                            const float* s0, const float* s1, const float* s2, const float* b0, const float* b1,
-                            const float* b2, float* y0, float* y1, float* y2, int n0, int n1, int n2, const float* x,
-                            const float* norm_w, float eps, const float* residual, int K) {
-    gemv1(Fp8Weights{w0, s0, K}, Fp8Weights{w1, s1, K}, Fp8Weights{w2, s2, K}, b0, b1, b2, y0, y1, y2, n0, n1, n2, x,
-          norm_w, eps, residual, K);
-}
-
 ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
                                      const float* gate_bias, const float* up_bias, const float* x,
                                      const float* norm_w, float eps, float* out, int N, int K) {
     gemv1_gate_up(Bf16Weights{g, K}, Bf16Weights{u, K}, gate_bias, up_bias, x, norm_w, eps, out, N, K);
 }
 
-ATLAS_KERNEL void gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
+// FP8 block-scaled weights (common/fp8.h) on matrix cores (fp8_rows_mma): a block takes 16 output
+// rows as TILES tiles of 16 weight rows (gemv1_fp8: the rows themselves; gemv1_gate_up_fp8: their
+// gate rows and their up rows). Its FP8_UNITS units of 32 lanes share the 128-column blocks of K
+// (unit u takes blocks u, u + FP8_UNITS, ...); per block, lane (g, t) reads chunks t and t + 4
+// (16 bytes each) of the tile's rows g and g + 8, the next block's chunks in flight meanwhile;
+// each 128-column block's products are scaled by its row's scale, and the units' sums meet in
+// shared memory. The input is staged as f16 (times 2^-FP8_X_SHIFT, so that inputs up to 2^20 stay
+// finite; an RMSNorm's 1 / rms is applied to the sums), zero-padded to whole blocks: dynamic shared
+// memory ceil(K / 128) * 256 bytes.
+// Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 16 == 0.
+#define FP8_UNITS 8
+#define FP8_X_SHIFT 4
+
+// The two rows a lane reads in one tile, and their lines of the scale grid.
+struct Fp8Rows {
+    const uint4* w[2];
+    const float* scale[2];
+    __device__ __forceinline__ void set(int h, const unsigned char* matrix, const float* scales, int n, int K) {
+        const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+        w[h] = (const uint4*)(matrix + (long)n * K);
+        scale[h] = scales + (n / FP8_BLOCK) * kblocks;
+    }
+};
+
+// The block's input as f16 in shared memory, four values per uint2: x (times norm_w when given)
+// times 2^-FP8_X_SHIFT, zero up to ceil(K / 128) * 128 columns. *scale gets the factor the dot
+// products need: 2^FP8_X_SHIFT, times rsqrt(mean(x^2) + eps) when norm_w is given (one pass over x
+// computes both). Every thread of the block must call it (it synchronises). K % 4 == 0.
+__device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const float* norm_w, float eps, int K,
+                                                       float* scale) {
+    extern __shared__ __attribute__((aligned(16))) uint2 fp8_x[];
+    __shared__ float scratch[32];
+    const float shift = 1.0f / (1 << FP8_X_SHIFT);
+    const float ss = stage_input4(x, norm_w, K, [&](int i, float4 v) {
+        fp8_x[i] = make_uint2(f16x2_pack(v.x * shift, v.y * shift), f16x2_pack(v.z * shift, v.w * shift));
+    });
+    const int padded = (K + FP8_BLOCK - 1) / FP8_BLOCK * FP8_BLOCK;
+    for (int i = K / 4 + threadIdx.x; i < padded / 4; i += blockDim.x) fp8_x[i] = make_uint2(0, 0);
+    *scale = 1 << FP8_X_SHIFT;
+    if (norm_w) *scale *= rsqrtf(block_sum(ss, scratch) / K + eps);  // its barriers publish fp8_x too
+    else __syncthreads();
+    return (const uint4*)fp8_x;
+}
+
+// out[i][r]: row r (0-15) of tile i times the input, summed over K (valid in threads 0-15 after the
+// call). Weights are read before pdl_wait(): launched early, they stream in while the previous
+// kernel finishes.
+// One 128-column block of a lane's weights: chunks t and t + 4 of rows g and g + 8 of each tile,
+// with the rows' scales for the block.
+template <int TILES>
+struct Fp8Stage {
+    uint4 w[TILES][2][2];  // [tile][row g, g + 8][chunk t, t + 4]
+    float scale[TILES][2];
+    __device__ __forceinline__ void fetch(const Fp8Rows (&tiles)[TILES], int kb, int kblocks, int chunks, int t) {
+#pragma unroll
+        for (int i = 0; i < TILES; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                scale[i][h] = kb < kblocks ? tiles[i].scale[h][kb] : 0.0f;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int c = kb * 8 + j * 4 + t;
+                    w[i][h][j] = kb < kblocks && c < chunks ? tiles[i].w[h][c] : make_uint4(0, 0, 0, 0);
+                }
+            }
+    }
+};
+
+template <int TILES>
+__device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
+                                             float eps, int K, float (&out)[TILES]) {
+    __shared__ float sums[FP8_UNITS][TILES][16];
+    const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, chunks = K / 16;
+    Fp8Stage<TILES> cur, next;
+    pdl_launch_dependents();
+    cur.fetch(tiles, unit, kblocks, chunks, t);
+    next.fetch(tiles, unit + FP8_UNITS, kblocks, chunks, t);
+    pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
+    float scale;
+    const uint4* xs = fp8_gemv_input(x, norm_w, eps, K, &scale);
+
+    float acc[TILES][2] = {};
+    auto consume = [&](const Fp8Stage<TILES>& st, int kb) {
+        // A sum per chunk: two shorter chains of dependent products.
+        float c[TILES][2][4] = {};
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            // The chunk's 16 inputs: 8 f16 pairs.
+            const int chunk = kb * 8 + j * 4 + t;
+            const uint4 lo = xs[2 * chunk], hi = xs[2 * chunk + 1];
+            const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int i = 0; i < TILES; i++) {
+                const uint4 a = st.w[i][0][j], b = st.w[i][1][j];
+                const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int u = 0; u < 4; u++) fp8_rows_mma(c[i][j], wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < TILES; i++) {
+            acc[i][0] += (c[i][0][0] + c[i][1][0]) * st.scale[i][0];
+            acc[i][1] += (c[i][0][2] + c[i][1][2]) * st.scale[i][1];
+        }
+    };
+    for (int kb = unit; kb < kblocks; kb += 2 * FP8_UNITS) {
+        consume(cur, kb);
+        cur.fetch(tiles, kb + 2 * FP8_UNITS, kblocks, chunks, t);
+        if (kb + FP8_UNITS >= kblocks) break;
+        consume(next, kb + FP8_UNITS);
+        next.fetch(tiles, kb + 3 * FP8_UNITS, kblocks, chunks, t);
+    }
+#pragma unroll
+    for (int i = 0; i < TILES; i++) {
+        const float row_g = fp8_quad_total(acc[i][0]), row_g8 = fp8_quad_total(acc[i][1]);
+        if (t == 0) {
+            sums[unit][i][g] = row_g;
+            sums[unit][i][g + 8] = row_g8;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x >= 16) return;
+#pragma unroll
+    for (int i = 0; i < TILES; i++) {
+        float total = 0.0f;
+        for (int u = 0; u < FP8_UNITS; u++) total += sums[u][i][threadIdx.x];
+        out[i] = total * scale;
+    }
+}
+
+// As gemv1_bf16 (up to three projections of one input, the residual added to the first), over FP8
+// weights with scale grids s0..s2.
+ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                            const float* s0, const float* s1, const float* s2, const float* b0, const float* b1,
+                            const float* b2, float* y0, float* y1, float* y2, int n0, int n1, int n2, const float* x,
+                            const float* norm_w, float eps, const float* residual, int K) {
+    const int total = n0 + n1 + n2, lane = threadIdx.x % 32;
+    // Row r of the block's tile lies in segment seg at row n of it (rows past the end read row 0).
+    auto locate = [&](int r, int& seg, int& n) {
+        const int row = blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0;
+        seg = row >= n0 + n1 ? 2 : row >= n0 ? 1 : 0;
+        n = row - (seg == 2 ? n0 + n1 : seg == 1 ? n0 : 0);
+    };
+    Fp8Rows tile[1];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int seg, n;
+        locate(lane / 4 + 8 * h, seg, n);
+        tile[0].set(h, seg == 2 ? w2 : seg == 1 ? w1 : w0, seg == 2 ? s2 : seg == 1 ? s1 : s0, n, K);
+    }
+    float out[1];
+    fp8_rows_dot<1>(tile, x, norm_w, eps, K, out);
+    if (threadIdx.x >= 16 || blockIdx.x * 16 + threadIdx.x >= total) return;
+    int seg, n;
+    locate(threadIdx.x, seg, n);
+    const float* bias = seg == 2 ? b2 : seg == 1 ? b1 : b0;
+    float* y = seg == 2 ? y2 : seg == 1 ? y1 : y0;
+    y[n] = out[0] + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[n] : 0.0f);
+}
+
+// As gemv1_gate_up_bf16, over FP8 weights with scale grids sg, su.
+// Two blocks per SM: the register budget that allows costs a few bytes of spill (two tiles of loads in flight).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
                                     const float* su, const float* gate_bias, const float* up_bias, const float* x,
                                     const float* norm_w, float eps, float* out, int N, int K) {
-    gemv1_gate_up(Fp8Weights{g, sg, K}, Fp8Weights{u, su, K}, gate_bias, up_bias, x, norm_w, eps, out, N, K);
+    const int lane = threadIdx.x % 32;
+    Fp8Rows tiles[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int n = blockIdx.x * 16 + lane / 4 + 8 * h < N ? blockIdx.x * 16 + lane / 4 + 8 * h : 0;
+        tiles[0].set(h, g, sg, n, K);
+        tiles[1].set(h, u, su, n, K);
+    }
+    float gu[2];
+    fp8_rows_dot<2>(tiles, x, norm_w, eps, K, gu);
+    const int n = blockIdx.x * 16 + threadIdx.x;
+    if (threadIdx.x >= 16 || n >= N) return;
+    const float gv = gu[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] + (up_bias ? up_bias[n] : 0.0f);
+    out[n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
 // Decode, a few tokens (T <= GEMV_MAX_T): each W row read once for all T tokens; `residual` (may be

@@ -26,3 +26,53 @@ __device__ __forceinline__ void e4m3x4_scaled(unsigned int w, float* out) {
 
 // 2^120 as bits (exponent 247): the factor e4m3_scaled leaves out.
 __device__ __forceinline__ float fp8_scale(float scale_inv) { return scale_inv * __uint_as_float(0x7b800000u); }
+
+// FP8 row products on matrix cores, for one-token linear layers. A unit of 32 lanes takes 16
+// weight rows: lane l (g = l % 32 / 4, t = l % 4) passes a word of four E4M3 codes of row g and
+// one of row g + 8, both at the same four columns, and those columns' inputs as two f16 pairs
+// (x0 | x1 << 16, x2 | x3 << 16). fp8_rows_mma adds row g's products to acc[0] and row g + 8's
+// to acc[2] (acc[1] and acc[3] are scratch). On NVIDIA sm_80+ one m16n8k16 f16 mma (f32
+// accumulation) sums the quad's 16 columns at once, every column of its B operand being the
+// input; elsewhere each lane sums its own four. fp8_quad_total(v) then gives every lane of the
+// quad the sum over all the quad's columns. Both paths decode E4M3 exactly.
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Two codes (low byte first) as an f16 pair: one instruction on sm_89+; before, the code's bits go
+// under an f16's sign, exponent and mantissa (value times 2^-8, subnormals too) and a multiply
+// by 2^8 restores it.
+__device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned int pair) {
+    unsigned int r;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)pair));
+#else
+    const unsigned int y = __byte_perm(pair, 0u, 0x1404);  // codes at bits 8-15 and 24-31
+    const unsigned int bits = (y & 0x80008000u) | ((y >> 1) & 0x3f803f80u);
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(bits), "r"(0x5c005c00u));
+#endif
+    return r;
+}
+__device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsigned int wg8, unsigned int x01,
+                                             unsigned int x23) {
+    const unsigned int a0 = e4m3x2_to_f16x2(wg & 0xffffu), a1 = e4m3x2_to_f16x2(wg8 & 0xffffu);
+    const unsigned int a2 = e4m3x2_to_f16x2(wg >> 16), a3 = e4m3x2_to_f16x2(wg8 >> 16);
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(x01), "r"(x23));
+}
+__device__ __forceinline__ float fp8_quad_total(float v) { return v; }
+#else
+__device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsigned int wg8, unsigned int x01,
+                                             unsigned int x23) {
+    const float x[4] = {f16_to_f32(x01 & 0xffffu), f16_to_f32(x01 >> 16), f16_to_f32(x23 & 0xffffu),
+                        f16_to_f32(x23 >> 16)};
+    float a[4], b[4];
+    e4m3x4_scaled(wg, a);
+    e4m3x4_scaled(wg8, b);
+    const float unscale = fp8_scale(1.0f);
+    acc[0] += (a[0] * x[0] + a[1] * x[1] + a[2] * x[2] + a[3] * x[3]) * unscale;
+    acc[2] += (b[0] * x[0] + b[1] * x[1] + b[2] * x[2] + b[3] * x[3]) * unscale;
+}
+__device__ __forceinline__ float fp8_quad_total(float v) {
+    v += shfl_xor(v, 1);
+    return v + shfl_xor(v, 2);
+}
+#endif

@@ -66,6 +66,29 @@ __device__ __forceinline__ unsigned int bf16x2_pack(float lo, float hi) {
 #endif
 }
 
+// f16 <-> f32 (no cuda_fp16.h / hip_fp16.h): two floats to a packed pair (lo in the low half),
+// rounded to nearest even, and one half back.
+__device__ __forceinline__ unsigned int f16x2_pack(float lo, float hi) {
+#if defined(ATLAS_HIP)
+    return (unsigned int)__builtin_bit_cast(unsigned short, (_Float16)lo) |
+           ((unsigned int)__builtin_bit_cast(unsigned short, (_Float16)hi) << 16);
+#else
+    unsigned int r;
+    asm("{ .reg .f16 l, h;\n cvt.rn.f16.f32 l, %1;\n cvt.rn.f16.f32 h, %2;\n mov.b32 %0, {l, h}; }"
+        : "=r"(r) : "f"(lo), "f"(hi));
+    return r;
+#endif
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+#if defined(ATLAS_HIP)
+    return (float)__builtin_bit_cast(_Float16, h);
+#else
+    float f;
+    asm("{ .reg .f16 t;\n mov.b16 t, %1;\n cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
 // Launch bounds: at most `threads` per block, and on NVIDIA a register budget that lets
 // `min_blocks` blocks share an SM (HIP's second argument means something else, so it gets none).
 #if defined(ATLAS_HIP)

@@ -20,6 +20,7 @@ pub struct CudaRuntime {
     /// Programmatic dependent launch (sm_90+): `launch_early` lets a kernel start before the
     /// previous one ends.
     early_launch: bool,
+    max_shared_bytes: u32,
     description: String,
 }
 
@@ -66,15 +67,40 @@ impl CudaRuntime {
         let (cubin, cache_state) = compiled_kernels(&arch)?;
         // SAFETY: `cubin` is a complete CUBIN image that outlives the call.
         let module = unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err("module load", e))?;
+        // SAFETY: the device handle is valid.
+        let max_shared = unsafe {
+            cu::device::get_attribute(ctx.cu_device(), sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        }
+        .map_err(|e| dev_err("shared memory size", e))?;
         let mut functions = HashMap::new();
         for name in KERNELS {
             let cname = CString::new(name).map_err(|e| dev_err("kernel name", e))?;
-            // SAFETY: the module is loaded and the name is NUL-terminated.
-            let f = unsafe { cu::module::get_function(module, cname) }.map_err(|e| dev_err(name, e))?;
+            // SAFETY: the module is loaded and the name is NUL-terminated; the attributes are plain
+            // integers. Beyond 48 KB, dynamic shared memory must be allowed per function.
+            let f = unsafe {
+                let f = cu::module::get_function(module, cname).map_err(|e| dev_err(name, e))?;
+                let fixed = cu::function::get_function_attribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                    .map_err(|e| dev_err(name, e))?;
+                cu::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_shared - fixed,
+                )
+                .map_err(|e| dev_err(name, e))?;
+                f
+            };
             functions.insert(name.to_string(), f);
         }
         let description = format!("cuda {name} ({arch}, kernels {cache_state})");
-        Ok(CudaRuntime { ctx, stream, _module: module, functions, description, early_launch: major >= 9 })
+        Ok(CudaRuntime {
+            ctx,
+            stream,
+            _module: module,
+            functions,
+            description,
+            early_launch: major >= 9,
+            max_shared_bytes: max_shared as u32,
+        })
     }
 
     fn bind(&self) -> Result<()> {
@@ -118,6 +144,10 @@ fn compiled_kernels(arch: &str) -> Result<(Vec<u8>, &'static str)> {
 impl Runtime for CudaRuntime {
     fn describe(&self) -> String {
         self.description.clone()
+    }
+
+    fn max_shared_bytes(&self) -> u32 {
+        self.max_shared_bytes
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {

@@ -662,6 +662,11 @@ impl Runtime for HipRuntime {
         self.warp_size
     }
 
+    /// Every AMD GPU Atlas targets gives a workgroup 64 KiB of LDS (gfx950 more).
+    fn max_shared_bytes(&self) -> u32 {
+        64 * 1024
+    }
+
     fn alloc(&self, bytes: usize) -> Result<u64> {
         self.bind()?;
         let hip = &self.api.hip;

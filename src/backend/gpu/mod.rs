@@ -80,10 +80,31 @@ impl GpuWeight {
         format!("{stem}_{}", if self.is_fp8() { "fp8" } else { "bf16" })
     }
 
-    /// Whether the one-token kernels take it with an input of `cols` values: whole 16-byte chunks.
-    fn gemv1_fits(&self) -> bool {
-        let per_chunk = if self.is_fp8() { 16 } else { 8 };
-        self.cols % per_chunk == 0
+    /// The one-token kernels' launch for `rows` outputs over this weight format: grid, block and
+    /// dynamic shared memory. bf16 stages the normalised input as f32 (kernels/linear.hip's gemv1),
+    /// fp8 always stages it as f16 in whole 128-column blocks (fp8_rows_dot).
+    fn gemv1_launch(&self, rows: usize, normed: bool, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
+        match self.format {
+            WeightFormat::Bf16 => {
+                let shared = if normed { self.cols as u32 * 4 } else { 0 };
+                ([blocks(rows, GEMV_ROWS * GEMV_THREADS / warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
+            }
+            WeightFormat::Fp8 { .. } => {
+                let shared = self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
+                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
+            }
+        }
+    }
+
+    /// Whether the one-token kernels take it: whole 16-byte chunks per row, and a staged input
+    /// that fits the shared memory (`max_shared` bytes per block).
+    fn gemv1_fits(&self, normed: bool, max_shared: u32) -> bool {
+        match self.format {
+            WeightFormat::Bf16 => self.cols % 8 == 0 && (!normed || self.cols <= GEMV_MAX_STAGED),
+            WeightFormat::Fp8 { .. } => {
+                self.cols % 16 == 0 && self.gemv1_launch(1, normed, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared
+            }
+        }
     }
 }
 
@@ -138,8 +159,12 @@ const FA_BQ: usize = 64;
 const FA_THREADS: u32 = 128;
 const DEC_THREADS: u32 = 256;
 const DEC_MAX_QD: usize = 2048;
-/// Largest input the one-token kernels normalise into shared memory (48 KB with their scratch).
+/// Largest input the bf16 one-token kernels normalise into shared memory (48 KB with their scratch).
 const GEMV_MAX_STAGED: usize = 12_224;
+/// The fp8 one-token kernels: output rows per block, threads, static shared memory (rounded up).
+const FP8_GEMV_ROWS: u32 = 16;
+const FP8_GEMV_THREADS: u32 = 256;
+const FP8_GEMV_STATIC_SHARED: u32 = 1_300;
 /// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.
 const ATTENTION_CHUNK: usize = 256;
 const ATTENTION_MAX_SPLITS: usize = 128;
@@ -256,9 +281,8 @@ impl GpuBackend {
         let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
         args.extend([Arg::Ptr(x.buf.ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual.unwrap_or(0)), Arg::I32(x.cols as i32)]);
         let rows: usize = projs.iter().map(|p| p.0.rows).sum();
-        let shared = if norm.is_some() { x.cols as u32 * 4 } else { 0 };
-        let grid = [blocks(rows, GEMV_ROWS * GEMV_THREADS / self.rt.warp_size()), 1, 1];
-        self.rt.launch_early(&projs[0].0.kernel("gemv1"), grid, [GEMV_THREADS, 1, 1], shared, &args)
+        let (grid, block, shared) = projs[0].0.gemv1_launch(rows, norm.is_some(), self.rt.warp_size());
+        self.rt.launch_early(&projs[0].0.kernel("gemv1"), grid, block, shared, &args)
     }
 
     /// `y = x · wᵀ (+ bias) (+ residual)` for any number of rows; `residual` may be `y` itself.
@@ -270,7 +294,7 @@ impl GpuBackend {
         if t == 0 {
             return Ok(());
         }
-        if t == 1 && w.gemv1_fits() {
+        if t == 1 && w.gemv1_fits(false, self.rt.max_shared_bytes()) {
             return self.gemv1(x, &[(w, bias, y)], None, residual);
         }
         let common = [Arg::Ptr(x.buf.ptr), Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)), Arg::Ptr(residual.unwrap_or(0)), Arg::Ptr(y)];
@@ -669,8 +693,9 @@ impl Backend for GpuBackend {
         let fused = x.rows == 1
             && (1..=3).contains(&N)
             && norm.cols == x.cols
-            && x.cols <= GEMV_MAX_STAGED
-            && projs.iter().all(|p| p.weight.cols == x.cols && p.weight.gemv1_fits() && p.weight.is_fp8() == projs[0].weight.is_fp8());
+            && projs.iter().all(|p| {
+                p.weight.cols == x.cols && p.weight.gemv1_fits(true, self.rt.max_shared_bytes()) && p.weight.is_fp8() == projs[0].weight.is_fp8()
+            });
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
             let out = projs.iter().map(|p| self.linear(&xn, p.weight, p.bias)).collect::<Result<Vec<_>>>()?;
@@ -693,10 +718,9 @@ impl Backend for GpuBackend {
         let (g, u) = (gate.weight, up.weight);
         let fused = x.rows == 1
             && norm.cols == x.cols
-            && x.cols <= GEMV_MAX_STAGED
             && g.cols == x.cols
             && (u.rows, u.cols) == (g.rows, g.cols)
-            && g.gemv1_fits()
+            && g.gemv1_fits(true, self.rt.max_shared_bytes())
             && g.is_fp8() == u.is_fp8();
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
@@ -719,8 +743,8 @@ impl Backend for GpuBackend {
             Arg::I32(g.rows as i32),
             Arg::I32(g.cols as i32),
         ];
-        let grid = [blocks(g.rows, GEMV_ROWS * GEMV_THREADS / self.rt.warp_size()), 1, 1];
-        self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, [GEMV_THREADS, 1, 1], x.cols as u32 * 4, &args)?;
+        let (grid, block, shared) = g.gemv1_launch(g.rows, true, self.rt.warp_size());
+        self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, block, shared, &args)?;
         Ok(out)
     }
 

@@ -46,6 +46,11 @@ pub trait Runtime: Send + Sync {
     fn warp_size(&self) -> u32 {
         32
     }
+    /// Shared memory one block may use, static and dynamic together (launches may ask for up to
+    /// this much dynamic shared memory, less the kernel's static arrays).
+    fn max_shared_bytes(&self) -> u32 {
+        48 * 1024
+    }
     /// Device memory, ordered on the stream (valid for work queued after this call).
     fn alloc(&self, bytes: usize) -> Result<u64>;
     /// Frees after the work queued so far.
