@@ -244,7 +244,7 @@ fn attention_prefill_then_decode() {
     let mut rng = Rng::new(3);
     // Group sizes 1 to 16, head sizes 16 to 256 (flash-attention prefill, grouped decode), and a
     // group of 32 whose decode rows take the flash-attention kernel.
-    for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32), (16, 1, 128), (8, 1, 256), (4, 2, 16), (6, 3, 80), (32, 1, 64)] {
+    for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32), (16, 1, 128), (8, 1, 256), (4, 2, 16), (6, 3, 80), (4, 1, 144), (32, 1, 64)] {
         let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
         let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
         let mut pos = 0;

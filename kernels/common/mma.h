@@ -13,7 +13,8 @@
 // TM x TN 16x16 tiles loads TM + TN fragments per 16-wide k step instead of 2 * TM * TN):
 //   mma_frag_t f;  mma_load_a(f, A, lda);  mma_load_b(f, B, ldb);  mma16_frag(acc, a, b);
 // computes what mma16(acc, A, lda, B, ldb) does, with the same accumulator layout (on AMD and the
-// scalar fallback mma16 is exactly that). For the fragment API, A and B must be in shared memory
+// scalar fallback mma16 is exactly that). mma_load_bt(f, Bt, ldbt) loads the same B operand from
+// its transpose Bt [k][n] (n contiguous), as A · V with V [k][n] needs. For the fragment API, A and B must be in shared memory
 // with 16-byte aligned rows (lda, ldb multiples of 8, 16-byte aligned tile origin): NVIDIA reads
 // them with ldmatrix.
 #pragma once
@@ -66,6 +67,15 @@ __device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb
     const int lane = threadIdx.x % 32;
     mma_ldmatrix_x4(f, B + ((lane & 7) + (lane >> 4) * 8) * ldb + ((lane >> 3) & 1) * 8);
 }
+// The transposed load: matrix j covers k rows 8 * (j & 1).., n columns 8 * (j >> 1)..
+__device__ __forceinline__ void mma_load_bt(mma_frag_t& f, const bf16* Bt, int ldbt) {
+    const int lane = threadIdx.x % 32;
+    const bf16* row = Bt + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldbt + (lane >> 4) * 8;
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(s));
+}
 __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -92,6 +102,11 @@ __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda
     for (int k = 0; k < 16; k++) f.v[k] = (short)A[r * lda + k];
 }
 __device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { mma_load_a(f, B, ldb); }
+__device__ __forceinline__ void mma_load_bt(mma_frag_t& f, const bf16* Bt, int ldbt) {
+    const int n = threadIdx.x % 16;
+#pragma unroll
+    for (int k = 0; k < 16; k++) f.v[k] = (short)Bt[k * ldbt + n];
+}
 __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
     float8_t c;
 #pragma unroll
@@ -117,6 +132,11 @@ __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda
     for (int k = 0; k < 8; k++) f.v[k] = (short)A[r * lda + k0 + k];
 }
 __device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { mma_load_a(f, B, ldb); }
+__device__ __forceinline__ void mma_load_bt(mma_frag_t& f, const bf16* Bt, int ldbt) {
+    const int n = threadIdx.x % 16, k0 = ((threadIdx.x % 32) / 16) * 8;
+#pragma unroll
+    for (int k = 0; k < 8; k++) f.v[k] = (short)Bt[(k0 + k) * ldbt + n];
+}
 __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
     float8_t c;
 #pragma unroll
@@ -143,6 +163,11 @@ __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda
     for (int k = 0; k < 4; k++) f.v[k] = (short)A[r * lda + k0 + k];
 }
 __device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { mma_load_a(f, B, ldb); }
+__device__ __forceinline__ void mma_load_bt(mma_frag_t& f, const bf16* Bt, int ldbt) {
+    const int n = threadIdx.x % 16, k0 = ((threadIdx.x % 64) / 16) * 4;
+#pragma unroll
+    for (int k = 0; k < 4; k++) f.v[k] = (short)Bt[(k0 + k) * ldbt + n];
+}
 __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
     float4_t c;
 #pragma unroll
@@ -158,23 +183,32 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
 __device__ __forceinline__ int mma_row(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) / 16; }
 __device__ __forceinline__ int mma_col(int i) { return (threadIdx.x % WARP_SIZE + i * WARP_SIZE) % 16; }
 
-// The "fragment" is just where the tile lies; the product reads shared memory directly.
-struct mma_frag_t { const bf16* p; int ld; };
-__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) { f.p = A; f.ld = lda; }
-__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { f.p = B; f.ld = ldb; }
-// Each lane's dot products over k, read in pairs (lda, ldb even) to halve the shared-memory loads.
+// The "fragment" is just where the tile lies: element (row r, k) at p[r * ld + k * k_step] (k_step
+// is 1, or ld of the transpose for mma_load_bt); the product reads shared memory directly.
+struct mma_frag_t { const bf16* p; int ld, k_step; };
+__device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) { f = {A, lda, 1}; }
+__device__ __forceinline__ void mma_load_b(mma_frag_t& f, const bf16* B, int ldb) { f = {B, ldb, 1}; }
+__device__ __forceinline__ void mma_load_bt(mma_frag_t& f, const bf16* Bt, int ldbt) { f = {Bt, 1, ldbt}; }
+// Each lane's dot products over k; with both operands k-contiguous, read in pairs (lda, ldb even)
+// to halve the shared-memory loads.
 __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, const mma_frag_t& b) {
 #pragma unroll
     for (int i = 0; i < MMA_ACC; i++) {
         const int e = threadIdx.x % WARP_SIZE + i * WARP_SIZE, r = e / 16, c = e % 16;
-        const unsigned int* ar = (const unsigned int*)(a.p + r * a.ld);
-        const unsigned int* br = (const unsigned int*)(b.p + c * b.ld);
         float s = 0.0f;
+        if (a.k_step == 1 && b.k_step == 1) {
+            const unsigned int* ar = (const unsigned int*)(a.p + r * a.ld);
+            const unsigned int* br = (const unsigned int*)(b.p + c * b.ld);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const unsigned int u = ar[k], v = br[k];
-            s += __uint_as_float(u << 16) * __uint_as_float(v << 16);
-            s += __uint_as_float(u & 0xffff0000u) * __uint_as_float(v & 0xffff0000u);
+            for (int k = 0; k < 8; k++) {
+                const unsigned int u = ar[k], v = br[k];
+                s += __uint_as_float(u << 16) * __uint_as_float(v << 16);
+                s += __uint_as_float(u & 0xffff0000u) * __uint_as_float(v & 0xffff0000u);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 16; k++)
+                s += bf16_to_f32(a.p[r * a.ld + k * a.k_step]) * bf16_to_f32(b.p[c * b.ld + k * b.k_step]);
         }
         acc[i] += s;
     }

@@ -158,7 +158,8 @@ const GEMM_THREADS: u32 = 256;
 const FA_BQ: usize = 64;
 const FA_THREADS: u32 = 128;
 const DEC_THREADS: u32 = 256;
-const DEC_MAX_QD: usize = 2048;
+const DEC_MAX_TILE: usize = 64;
+const DEC_TILE_ELEMS: usize = 8192;
 /// Largest input the bf16 one-token kernels normalise into shared memory (48 KB with their scratch).
 const GEMV_MAX_STAGED: usize = 12_224;
 /// The fp8 one-token kernels: output rows per block, threads, static shared memory (rounded up).
@@ -333,12 +334,15 @@ impl GpuBackend {
         let out = self.tensor(t, num_heads * d)?;
         let scale = 1.0 / (d as f32).sqrt();
         let group = num_heads / num_kv_heads;
-        if t == 1 && group * d <= DEC_MAX_QD && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
+        if t == 1 && d % 16 == 0 && d <= 256 && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
             // A recording must fit every later position: it covers the whole cache (the kernel
             // sizes the splits from the position).
             let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + 1 };
             let splits = longest.div_ceil(ATTENTION_CHUNK).min(ATTENTION_MAX_SPLITS);
             let partial = self.scratch(num_heads * splits * (d + 2) * 4)?;
+            // The kernel's tiles, query and probabilities (bf16), or the merge's weights.
+            let tile = DEC_MAX_TILE.min(DEC_TILE_ELEMS / d / 16 * 16);
+            let shared = (((2 * tile + 16) * (d + 8) + 16 * (tile + 8)) * 2).max(group * splits * 4);
             let args = [
                 Arg::Ptr(q.buf.ptr),
                 Arg::Ptr(cache.keys.ptr),
@@ -354,7 +358,8 @@ impl GpuBackend {
                 Arg::F32(scale),
                 Arg::I32(ATTENTION_CHUNK as i32),
             ];
-            self.rt.launch("attention_decode", [num_kv_heads as u32, splits as u32, 1], [DEC_THREADS, 1, 1], 0, &args)?;
+            let grid = [num_kv_heads as u32, splits as u32, 1];
+            self.rt.launch("attention_decode", grid, [DEC_THREADS, 1, 1], shared as u32, &args)?;
         } else {
             let args = [
                 Arg::Ptr(q.buf.ptr),
