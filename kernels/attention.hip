@@ -58,7 +58,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     const int tile = min(DEC_MAX_TILE, DEC_TILE_ELEMS / D / 16 * 16), ldp = tile + 8;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const int visible = pos + 1;
-    const int chunk = max(min_chunk, ((visible + splits - 1) / splits + tile - 1) / tile * tile);
+    const int chunk = (max(min_chunk, (visible + splits - 1) / splits) + tile - 1) / tile * tile;
     const int active = (visible + chunk - 1) / chunk;
     if (split >= active) return;
     const int begin = split * chunk, end = min(visible, begin + chunk);

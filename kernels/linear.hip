@@ -224,9 +224,9 @@ ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* 
 // (unit u takes blocks u, u + FP8_UNITS, ...); per block, lane (g, t) reads chunks t and t + 4
 // (16 bytes each) of the tile's rows g and g + 8, the next block's chunks in flight meanwhile;
 // each 128-column block's products are scaled by its row's scale, and the units' sums meet in
-// shared memory. The input is staged as f16 (times 2^-FP8_X_SHIFT, so that inputs up to 2^20 stay
-// finite; an RMSNorm's 1 / rms is applied to the sums), zero-padded to whole blocks: dynamic shared
-// memory ceil(K / 128) * 256 bytes.
+// shared memory. The input is staged as f16 (times 2^-FP8_X_SHIFT: inputs up to ±65504 * 2^4 are
+// kept, larger ones saturate there; an RMSNorm's 1 / rms is applied to the sums), zero-padded to
+// whole blocks: dynamic shared memory ceil(K / 128) * 256 bytes.
 // Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 16 == 0.
 #define FP8_UNITS 8
 #define FP8_X_SHIFT 4
@@ -250,9 +250,13 @@ __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const flo
                                                        float* scale) {
     extern __shared__ __attribute__((aligned(16))) uint2 fp8_x[];
     __shared__ float scratch[32];
-    const float shift = 1.0f / (1 << FP8_X_SHIFT);
+    // Saturate rather than overflow to infinity (a NaN stays a NaN).
+    auto f16_range = [](float v) {
+        const float shifted = v * (1.0f / (1 << FP8_X_SHIFT));
+        return fabsf(shifted) > 65504.0f ? copysignf(65504.0f, shifted) : shifted;
+    };
     const float ss = stage_input4(x, norm_w, K, [&](int i, float4 v) {
-        fp8_x[i] = make_uint2(f16x2_pack(v.x * shift, v.y * shift), f16x2_pack(v.z * shift, v.w * shift));
+        fp8_x[i] = make_uint2(f16x2_pack(f16_range(v.x), f16_range(v.y)), f16x2_pack(f16_range(v.z), f16_range(v.w)));
     });
     const int padded = (K + FP8_BLOCK - 1) / FP8_BLOCK * FP8_BLOCK;
     for (int i = K / 4 + threadIdx.x; i < padded / 4; i += blockDim.x) fp8_x[i] = make_uint2(0, 0);
@@ -262,9 +266,6 @@ __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const flo
     return (const uint4*)fp8_x;
 }
 
-// out[i][r]: row r (0-15) of tile i times the input, summed over K (valid in threads 0-15 after the
-// call). Weights are read before pdl_wait(): launched early, they stream in while the previous
-// kernel finishes.
 // One 128-column block of a lane's weights: chunks t and t + 4 of rows g and g + 8 of each tile,
 // with the rows' scales for the block.
 template <int TILES>
@@ -286,6 +287,9 @@ struct Fp8Stage {
     }
 };
 
+// out[i]: row threadIdx.x (0-15) of tile i times the input, summed over K (valid in threads 0-15
+// after the call). Weights are read before pdl_wait(): launched early, they stream in while the
+// previous kernel finishes.
 template <int TILES>
 __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                              float eps, int K, float (&out)[TILES]) {

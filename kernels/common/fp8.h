@@ -64,12 +64,15 @@ __device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsign
                                              unsigned int x23) {
     const float x[4] = {f16_to_f32(x01 & 0xffffu), f16_to_f32(x01 >> 16), f16_to_f32(x23 & 0xffffu),
                         f16_to_f32(x23 >> 16)};
+    // The weights restored to their values first, so that no product is scaled by 2^-120.
     float a[4], b[4];
     e4m3x4_scaled(wg, a);
     e4m3x4_scaled(wg8, b);
     const float unscale = fp8_scale(1.0f);
-    acc[0] += (a[0] * x[0] + a[1] * x[1] + a[2] * x[2] + a[3] * x[3]) * unscale;
-    acc[2] += (b[0] * x[0] + b[1] * x[1] + b[2] * x[2] + b[3] * x[3]) * unscale;
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[0] += a[i] * unscale * x[i];
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[2] += b[i] * unscale * x[i];
 }
 __device__ __forceinline__ float fp8_quad_total(float v) {
     v += shfl_xor(v, 1);
