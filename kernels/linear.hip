@@ -15,29 +15,22 @@
 // `norm_w` (optional) fuses the RMSNorm that precedes these projections: the block stages
 // x * norm_w in shared memory once, every warp reads it there, and the dot products are scaled by
 // rsqrt(mean(x^2) + eps).
-// Weight formats are small structs: row(n) gives a row's reader, whose load(c) fetches 16-byte
-// chunk c and dot() multiplies it with the chunk's x values.
 #define GEMV_THREADS 256
 #define GEMV_ROWS 2
 
-struct Bf16Weights {
-    static constexpr int PER_CHUNK = 8;
-    const bf16* w;
-    int K;
-    struct Row {
-        // 16-byte loads per lane per stage over all rows (measured on an H200: 2 beats 4 and 8).
-        static constexpr int STAGE_LOADS = 2;
-        const uint4* p;
-        __device__ __forceinline__ uint4 load(int c) const { return p[c]; }
-        __device__ __forceinline__ float dot(uint4 q, const float* xc, int c) const {
-            return __uint_as_float(q.x << 16) * xc[0] + __uint_as_float(q.x & 0xffff0000u) * xc[1]
-                 + __uint_as_float(q.y << 16) * xc[2] + __uint_as_float(q.y & 0xffff0000u) * xc[3]
-                 + __uint_as_float(q.z << 16) * xc[4] + __uint_as_float(q.z & 0xffff0000u) * xc[5]
-                 + __uint_as_float(q.w << 16) * xc[6] + __uint_as_float(q.w & 0xffff0000u) * xc[7];
-        }
-    };
-    __device__ __forceinline__ Row row(int n) const { return Row{(const uint4*)(w + (long)n * K)}; }
+// A bf16 weight row: load(c) fetches 16-byte chunk c (8 values), dot() multiplies it with the
+// chunk's x values.
+struct Bf16Row {
+    const uint4* p;
+    __device__ __forceinline__ uint4 load(int c) const { return p[c]; }
+    __device__ __forceinline__ float dot(uint4 q, const float* xc) const {
+        return __uint_as_float(q.x << 16) * xc[0] + __uint_as_float(q.x & 0xffff0000u) * xc[1]
+             + __uint_as_float(q.y << 16) * xc[2] + __uint_as_float(q.y & 0xffff0000u) * xc[3]
+             + __uint_as_float(q.z << 16) * xc[4] + __uint_as_float(q.z & 0xffff0000u) * xc[5]
+             + __uint_as_float(q.w << 16) * xc[6] + __uint_as_float(q.w & 0xffff0000u) * xc[7];
+    }
 };
+__device__ __forceinline__ Bf16Row bf16_row(const bf16* w, int n, int K) { return Bf16Row{(const uint4*)(w + (long)n * K)}; }
 
 // Calls store(i, v) for every float4 i < K / 4 of x, times norm_w when given, and returns this
 // thread's part of the sum of squares of x. Each thread loads four float4 (and their weights) at a
@@ -85,48 +78,32 @@ __device__ __forceinline__ const float* gemv_input(const float* x, const float* 
     return gemv_x;
 }
 
-// Lane-strided 16-byte chunks of ROWS weight rows, INFLIGHT chunks per row per stage (the format's
-// STAGE_LOADS spread over the rows, at least one each).
-template <int ROWS, class R>
+// One lane-strided 16-byte chunk of each of ROWS weight rows: two such stages in flight per lane
+// (measured on an H200: one chunk per row per stage beats two, four and eight).
+template <int ROWS>
 struct GemvStage {
-    static constexpr int INFLIGHT = R::STAGE_LOADS >= 2 * ROWS ? R::STAGE_LOADS / ROWS : 1;
-    uint4 p[ROWS][INFLIGHT];
-    __device__ __forceinline__ void fetch(const R* rows, int c0, int chunks) {
+    uint4 p[ROWS];
+    __device__ __forceinline__ void fetch(const Bf16Row* rows, int c, int chunks) {
 #pragma unroll
-        for (int u = 0; u < INFLIGHT; u++) {
-            const int c = c0 + u * WARP_SIZE;
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) p[r][u] = c < chunks ? rows[r].load(c) : make_uint4(0, 0, 0, 0);
-        }
+        for (int r = 0; r < ROWS; r++) p[r] = c < chunks ? rows[r].load(c) : make_uint4(0, 0, 0, 0);
     }
-    template <int PER_CHUNK>
-    __device__ __forceinline__ void consume(const R* rows, int c0, int chunks, const float* x, float* acc) const {
+    __device__ __forceinline__ void consume(const Bf16Row* rows, int c, int chunks, const float* x, float* acc) const {
+        if (c >= chunks) return;
+        const float4 lo = ((const float4*)x)[2 * c], hi = ((const float4*)x)[2 * c + 1];
+        const float xc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int u = 0; u < INFLIGHT; u++) {
-            const int c = c0 + u * WARP_SIZE;
-            if (c < chunks) {
-                float xc[PER_CHUNK];
-#pragma unroll
-                for (int j = 0; j < PER_CHUNK / 4; j++) {
-                    const float4 v = ((const float4*)x)[c * (PER_CHUNK / 4) + j];
-                    xc[4 * j] = v.x, xc[4 * j + 1] = v.y, xc[4 * j + 2] = v.z, xc[4 * j + 3] = v.w;
-                }
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) acc[r] += rows[r].dot(p[r][u], xc, c);
-            }
-        }
+        for (int r = 0; r < ROWS; r++) acc[r] += rows[r].dot(p[r], xc);
     }
 };
 
 // acc[r] = rows[r] · x (normalised), summed over the warp. The first two stages' loads are issued
 // before waiting for the previous kernel (launched early, the first weights stream in while it
 // finishes) and before the input is staged; then each stage is refilled as soon as it is used.
-template <int ROWS, int PER_CHUNK, class R>
-__device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const float* x, const float* norm_w,
+template <int ROWS>
+__device__ __forceinline__ void gemv_rows_dot(const Bf16Row* rows, bool active, const float* x, const float* norm_w,
                                               float eps, int K, float* acc) {
-    typedef GemvStage<ROWS, R> Stage;
-    const int lane = threadIdx.x % WARP_SIZE, chunks = K / PER_CHUNK, step = Stage::INFLIGHT * WARP_SIZE;
-    Stage cur, next;
+    const int lane = threadIdx.x % WARP_SIZE, chunks = K / 8, step = WARP_SIZE;
+    GemvStage<ROWS> cur, next;
     pdl_launch_dependents();
     if (active) {
         cur.fetch(rows, lane, chunks);
@@ -137,10 +114,10 @@ __device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const 
     const float* xs = gemv_input(x, norm_w, eps, K, &scale);
     if (!active) return;
     for (int c0 = lane; c0 < chunks; c0 += 2 * step) {
-        cur.template consume<PER_CHUNK>(rows, c0, chunks, xs, acc);
+        cur.consume(rows, c0, chunks, xs, acc);
         if (c0 + 2 * step < chunks) cur.fetch(rows, c0 + 2 * step, chunks);
         if (c0 + step >= chunks) break;
-        next.template consume<PER_CHUNK>(rows, c0 + step, chunks, xs, acc);
+        next.consume(rows, c0 + step, chunks, xs, acc);
         if (c0 + 3 * step < chunks) next.fetch(rows, c0 + 3 * step, chunks);
     }
 #pragma unroll
@@ -148,14 +125,15 @@ __device__ __forceinline__ void gemv_rows_dot(const R* rows, bool active, const 
 }
 
 // Up to three projections of the same input in one launch (q, k and v): rows [0, n0) go to y0,
-// the next n1 to y1, the next n2 to y2. `residual` (may be y0) is added to segment 0.
-template <class W>
-__device__ __forceinline__ void gemv1(const W& w0, const W& w1, const W& w2, const float* b0, const float* b1,
-                                      const float* b2, float* y0, float* y1, float* y2, int n0, int n1, int n2,
-                                      const float* x, const float* norm_w, float eps, const float* residual, int K) {
+// the next n1 to y1, the next n2 to y2. `residual` (may be y0) is added to segment 0. K % 8 == 0.
+// The scale arguments are unused (same signature as gemv1_fp8).
+ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const float* s0, const float* s1,
+                             const float* s2, const float* b0, const float* b1, const float* b2, float* y0, float* y1,
+                             float* y2, int n0, int n1, int n2, const float* x, const float* norm_w, float eps,
+                             const float* residual, int K) {
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
     const int total = n0 + n1 + n2;
-    typename W::Row rows[GEMV_ROWS];
+    Bf16Row rows[GEMV_ROWS];
     int seg[GEMV_ROWS], n[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
@@ -163,59 +141,47 @@ __device__ __forceinline__ void gemv1(const W& w0, const W& w1, const W& w2, con
         const int g = first + r < total ? first + r : 0;
         seg[r] = g >= n0 + n1 ? 2 : g >= n0 ? 1 : 0;
         n[r] = g - (seg[r] == 2 ? n0 + n1 : seg[r] == 1 ? n0 : 0);
-        rows[r] = (seg[r] == 2 ? w2 : seg[r] == 1 ? w1 : w0).row(n[r]);
+        rows[r] = bf16_row(seg[r] == 2 ? w2 : seg[r] == 1 ? w1 : w0, n[r], K);
     }
     float acc[GEMV_ROWS] = {};
-    gemv_rows_dot<GEMV_ROWS, W::PER_CHUNK>(rows, first < total, x, norm_w, eps, K, acc);
+    gemv_rows_dot<GEMV_ROWS>(rows, first < total, x, norm_w, eps, K, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
-        if (first + r >= total) break;
-        const float* bias = seg[r] == 2 ? b2 : seg[r] == 1 ? b1 : b0;
-        float* y = seg[r] == 2 ? y2 : seg[r] == 1 ? y1 : y0;
-        const float* res = seg[r] == 0 ? residual : nullptr;
-        y[n[r]] = acc[r] + (bias ? bias[n[r]] : 0.0f) + (res ? res[n[r]] : 0.0f);
+        if (first + r < total) {
+            const float* bias = seg[r] == 2 ? b2 : seg[r] == 1 ? b1 : b0;
+            float* y = seg[r] == 2 ? y2 : seg[r] == 1 ? y1 : y0;
+            const float* res = seg[r] == 0 ? residual : nullptr;
+            y[n[r]] = acc[r] + (bias ? bias[n[r]] : 0.0f) + (res ? res[n[r]] : 0.0f);
+        }
     }
 }
 
 // The gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]), GEMV_ROWS values of
-// n per warp (so 2 * GEMV_ROWS weight rows).
-template <class W>
-__device__ __forceinline__ void gemv1_gate_up(const W& g, const W& u, const float* gate_bias, const float* up_bias,
-                                              const float* x, const float* norm_w, float eps, float* out, int N, int K) {
+// n per warp (so 2 * GEMV_ROWS weight rows). K % 8 == 0; sg, su unused (as gemv1_gate_up_fp8's).
+ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                     const float* gate_bias, const float* up_bias, const float* x,
+                                     const float* norm_w, float eps, float* out, int N, int K) {
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
-    typename W::Row rows[2 * GEMV_ROWS];
+    Bf16Row rows[2 * GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         const int n = first + r < N ? first + r : 0;
-        rows[2 * r] = g.row(n);
-        rows[2 * r + 1] = u.row(n);
+        rows[2 * r] = bf16_row(g, n, K);
+        rows[2 * r + 1] = bf16_row(u, n, K);
     }
     float acc[2 * GEMV_ROWS] = {};
-    gemv_rows_dot<2 * GEMV_ROWS, W::PER_CHUNK>(rows, first < N, x, norm_w, eps, K, acc);
+    gemv_rows_dot<2 * GEMV_ROWS>(rows, first < N, x, norm_w, eps, K, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         const int n = first + r;
-        if (n >= N) break;
-        const float gv = acc[2 * r] + (gate_bias ? gate_bias[n] : 0.0f), uv = acc[2 * r + 1] + (up_bias ? up_bias[n] : 0.0f);
-        out[n] = gv / (1.0f + expf(-gv)) * uv;
+        if (n < N) {
+            const float gv = acc[2 * r] + (gate_bias ? gate_bias[n] : 0.0f);
+            const float uv = acc[2 * r + 1] + (up_bias ? up_bias[n] : 0.0f);
+            out[n] = gv / (1.0f + expf(-gv)) * uv;
+        }
     }
-}
-
-// bf16 weights: K % 8 == 0. The scale arguments are unused (same signature as the fp8 kernels).
-ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const float* s0, const float* s1,
-                             const float* s2, const float* b0, const float* b1, const float* b2, float* y0, float* y1,
-                             float* y2, int n0, int n1, int n2, const float* x, const float* norm_w, float eps,
-                             const float* residual, int K) {
-    gemv1(Bf16Weights{w0, K}, Bf16Weights{w1, K}, Bf16Weights{w2, K}, b0, b1, b2, y0, y1, y2, n0, n1, n2, x, norm_w,
-          eps, residual, K);
-}
-
-ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
-                                     const float* gate_bias, const float* up_bias, const float* x,
-                                     const float* norm_w, float eps, float* out, int N, int K) {
-    gemv1_gate_up(Bf16Weights{g, K}, Bf16Weights{u, K}, gate_bias, up_bias, x, norm_w, eps, out, N, K);
 }
 
 // FP8 block-scaled weights (common/fp8.h) on matrix cores (fp8_rows_mma): a block takes 16 output
