@@ -3,11 +3,32 @@
  *
  * Ownership: every char* the library returns (responses, errors, info) is freed with
  * atlas_string_free(); atlas_version() returns a static string that is never freed.
- * Threads: any thread may call any function; requests on one model run one at a time, in
- * arrival order. atlas_unload() waits for a running request; using a handle after
- * atlas_unload() has been called is undefined behaviour.
+ *
+ * Handles: an AtlasModel* is an opaque handle the library looks up, never a pointer it
+ * dereferences. Once atlas_unload() has begun, calls with that handle fail with
+ * ATLAS_STATUS_INVALID_ARGUMENT ("not loaded"); a handle is never reused for another model.
+ *
+ * Threads: any thread may call any function. Requests on one model use it one at a time, in
+ * arrival order (the order in which atlas_chat_completion was entered); a request parses,
+ * renders and tokenizes its prompt while it waits, so an oversized or invalid one fails without
+ * waiting. atlas_unload() waits for every call on the model that entered before it (running
+ * and queued requests), then frees the model.
+ *
+ * Re-entrancy: on_chunk runs on the calling thread while the request holds the model. From
+ * inside it, on the same model: atlas_model_info() works; atlas_chat_completion() fails at once
+ * with ATLAS_STATUS_INVALID_ARGUMENT (it would wait for itself); atlas_unload() returns at once
+ * and the model is freed when the running request returns. Calls on other models are fine. A
+ * callback that waits for another thread which calls into the same model deadlocks: don't.
+ *
+ * Limits: a request larger than the load option max_request_bytes (default 8 MiB) is refused
+ * (ATLAS_STATUS_INVALID_REQUEST) before it is parsed; a prompt that cannot fit the context
+ * (with room for max_tokens) is refused (ATLAS_STATUS_CONTEXT_OVERFLOW), from its length alone
+ * when it is far too long; at most 64 stop strings of at most 1024 bytes; "model" at most 256
+ * bytes. Model files are checked against limits before anything is sized from them.
+ *
  * Errors: functions return an AtlasStatus value (0 = ATLAS_STATUS_OK) and, when out_error is
- * not NULL, set *out_error to a message (or NULL on success). No panic crosses this boundary.
+ * not NULL, set *out_error to a message (or NULL on success). No panic crosses this boundary;
+ * after any error the model stays usable.
  */
 
 #ifndef ATLAS_H
@@ -56,7 +77,8 @@ typedef int32_t AtlasStatus;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
-// A loaded model. Opaque to C.
+// A loaded model. Opaque to C: the pointer is a handle that the library looks up in a table and
+// never dereferences, so a handle used after atlas_unload gets an error, not freed memory.
 typedef struct AtlasModel AtlasModel;
 
 // Called once per streamed chunk with the JSON of one chat.completion.chunk; return non-zero to cancel.
@@ -73,17 +95,20 @@ uint32_t atlas_abi_version(void);
 const char *atlas_version(void);
 
 // Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
-// "ctx_size": N, "threads": N, "seed": N}; unknown keys are an error. On success `*out_model`
-// holds the handle (release it with atlas_unload).
+// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N}; unknown keys are an error.
+// On success `*out_model` holds the handle (release it with atlas_unload).
 //
 // # Safety
 // Pointers are NULL or valid; `options_json` is NUL-terminated.
 int32_t atlas_load(const char *options_json, struct AtlasModel **out_model, char **out_error);
 
-// Releases a model; waits for requests running on it. NULL is ignored.
+// Releases a model. Waits for every call on it that has already begun (running or queued
+// requests, model_info); calls that begin after it fail with ATLAS_STATUS_INVALID_ARGUMENT.
+// From inside an on_chunk callback of a request on the same model it returns at once and the
+// model is released when that request returns. NULL and unknown handles are ignored.
 //
 // # Safety
-// `model` is NULL or a handle from atlas_load not yet unloaded.
+// None beyond the handle being a value (it is never dereferenced).
 void atlas_unload(struct AtlasModel *model);
 
 // Runs an OpenAI chat-completions request. With "stream": true and a callback, each
@@ -91,7 +116,8 @@ void atlas_unload(struct AtlasModel *model);
 // `*out_response_json` holds the chat.completion JSON.
 //
 // # Safety
-// `model` is a live handle; other pointers are NULL or valid; strings are NUL-terminated.
+// `model` is a handle from atlas_load; other pointers are NULL or valid; strings are
+// NUL-terminated.
 int32_t atlas_chat_completion(struct AtlasModel *model,
                               const char *request_json,
                               AtlasChunkCallback on_chunk,
@@ -99,10 +125,11 @@ int32_t atlas_chat_completion(struct AtlasModel *model,
                               char **out_response_json,
                               char **out_error);
 
-// Describes the loaded model as JSON (device, architecture, context size, ...).
+// Describes the loaded model as JSON (device, architecture, context size, ...). It never waits
+// for a running request, and may be called from inside on_chunk.
 //
 // # Safety
-// `model` is a live handle; other pointers are NULL or valid.
+// `model` is a handle from atlas_load; other pointers are NULL or valid.
 int32_t atlas_model_info(struct AtlasModel *model, char **out_info_json, char **out_error);
 
 // Frees a string returned by the library. NULL is ignored.

@@ -20,10 +20,10 @@ bash scripts/test_serve.sh
 lib=target/release/libatlas.so
 model=tests/fixtures/models/chat_tiny
 mkdir -p target/c
-cc -std=c11 -O1 -Wall -Wextra -Werror -I include tests/c/host.c -ldl -o target/c/host
+cc -std=c11 -O1 -Wall -Wextra -Werror -I include tests/c/host.c -ldl -pthread -o target/c/host
 ./target/c/host "$lib" "$model"
 cc -std=c11 -g -O1 -Wall -Wextra -Werror -fsanitize=address,undefined -fno-omit-frame-pointer \
-    -I include tests/c/host.c -ldl -o target/c/host_asan
+    -I include tests/c/host.c -ldl -pthread -o target/c/host_asan
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ./target/c/host_asan "$lib" "$model" 3
 scripts/test_cpp.sh

@@ -1,22 +1,20 @@
 //! The C ABI. JSON in, JSON out; every entry point catches panics and reports failures as a
-//! status code plus a message, so nothing unwinds into the host.
-//!
-//! Ownership: every `char *` the library hands out (responses, errors) is freed with
-//! `atlas_string_free`; `atlas_version` returns a static string that is never freed.
-//! Threads: any thread may call any function. Requests on one model run one at a time, in arrival
-//! order (a mutex queues them). `atlas_unload` waits for requests already running on the model;
-//! using a handle after `atlas_unload` has been called is undefined behaviour.
+//! status code plus a message, so nothing unwinds into the host. The rules a host relies on
+//! (ownership, threads, re-entrancy, limits) are in the header comment of cbindgen.toml, which
+//! heads include/atlas.h; the machinery behind them is in `handles`.
+
+mod handles;
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::{Mutex, PoisonError};
 
 use serde_json::Value;
 
-use crate::api::{chat_completion, ChatRequest};
+use crate::api::{prepare_chat, run_chat, ChatRequest, DEFAULT_MAX_REQUEST_BYTES};
 use crate::engine::{Device, Engine, EngineOptions};
 use crate::Error;
+use handles::{Loaded, Reentry};
 
 /// Version of this C ABI; bumped on any incompatible change.
 pub const ATLAS_ABI_VERSION: u32 = 1;
@@ -44,9 +42,10 @@ pub enum AtlasStatus {
     Internal = 8,
 }
 
-/// A loaded model. Opaque to C.
+/// A loaded model. Opaque to C: the pointer is a handle that the library looks up in a table and
+/// never dereferences, so a handle used after atlas_unload gets an error, not freed memory.
 pub struct AtlasModel {
-    engine: Mutex<Engine>,
+    _opaque: [u8; 0],
 }
 
 /// Called once per streamed chunk with the JSON of one chat.completion.chunk; return non-zero to cancel.
@@ -128,18 +127,29 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 5] = ["model", "device", "ctx_size", "threads", "seed"];
+const OPTION_KEYS: [&str; 6] = ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes"];
 
-fn parse_options(json: &str) -> Result<(EngineOptions, Option<u64>), Error> {
+/// Load options as the C ABI takes them.
+struct LoadOptions {
+    engine: EngineOptions,
+    seed: Option<u64>,
+    max_request_bytes: usize,
+}
+
+fn parse_options(json: &str) -> Result<LoadOptions, Error> {
     let v: Value = serde_json::from_str(json).map_err(|e| Error::InvalidArgument(format!("options are not valid JSON: {e}")))?;
     let obj = v.as_object().ok_or_else(|| Error::InvalidArgument("options must be a JSON object".into()))?;
     if let Some(k) = obj.keys().find(|k| !OPTION_KEYS.contains(&k.as_str())) {
         return Err(Error::InvalidArgument(format!("unknown option {k:?} (known: {})", OPTION_KEYS.join(", "))));
     }
-    let uint = |k: &str| -> Result<Option<u64>, Error> {
+    let uint = |k: &str| -> Result<Option<usize>, Error> {
         match obj.get(k) {
             None | Some(Value::Null) => Ok(None),
-            Some(x) => x.as_u64().map(Some).ok_or_else(|| Error::InvalidArgument(format!("option {k} must be a non-negative integer"))),
+            Some(x) => x
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| Error::InvalidArgument(format!("option {k} must be a non-negative integer"))),
         }
     };
     let model = obj
@@ -151,18 +161,31 @@ fn parse_options(json: &str) -> Result<(EngineOptions, Option<u64>), Error> {
         Some(Value::String(s)) => s.parse()?,
         Some(_) => return Err(Error::InvalidArgument("option device must be a string".into())),
     };
-    let opts = EngineOptions {
+    let engine = EngineOptions {
         model_dir: PathBuf::from(model),
         device,
-        ctx_size: uint("ctx_size")?.map(|n| n as usize),
-        threads: uint("threads")?.unwrap_or(0) as usize,
+        ctx_size: uint("ctx_size")?,
+        threads: uint("threads")?.unwrap_or(0),
     };
-    Ok((opts, uint("seed")?))
+    let max_request_bytes = match uint("max_request_bytes")? {
+        Some(0) => return Err(Error::InvalidArgument("option max_request_bytes must be greater than zero".into())),
+        n => n.unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+    };
+    let seed = obj
+        .get("seed")
+        .filter(|v| !v.is_null())
+        .map(|v| v.as_u64().ok_or_else(|| Error::InvalidArgument("option seed must be a non-negative integer".into())))
+        .transpose()?;
+    Ok(LoadOptions { engine, seed, max_request_bytes })
+}
+
+fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
+    (status_of(&e, loading), e.to_string())
 }
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
-/// "ctx_size": N, "threads": N, "seed": N}; unknown keys are an error. On success `*out_model`
-/// holds the handle (release it with atlas_unload).
+/// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N}; unknown keys are an error.
+/// On success `*out_model` holds the handle (release it with atlas_unload).
 ///
 /// # Safety
 /// Pointers are NULL or valid; `options_json` is NUL-terminated.
@@ -174,29 +197,25 @@ pub unsafe extern "C" fn atlas_load(options_json: *const c_char, out_model: *mut
         }
         *out_model = std::ptr::null_mut();
         let json = str_arg(options_json, "options_json")?;
-        let (opts, seed) = parse_options(json).map_err(|e| (status_of(&e, true), e.to_string()))?;
-        let mut engine = Engine::load(&opts, &mut |_| {}).map_err(|e| (status_of(&e, true), e.to_string()))?;
-        engine.set_default_seed(seed);
-        *out_model = Box::into_raw(Box::new(AtlasModel { engine: Mutex::new(engine) }));
+        let opts = parse_options(json).map_err(|e| failed(e, true))?;
+        let mut engine = Engine::load(&opts.engine, &mut |_| {}).map_err(|e| failed(e, true))?;
+        engine.set_default_seed(opts.seed);
+        let info = serde_json::to_string(engine.report()).map_err(|e| (AtlasStatus::Internal, e.to_string()))?;
+        *out_model = handles::insert(Loaded::new(engine, info, opts.max_request_bytes));
         Ok(())
     })
 }
 
-/// Releases a model; waits for requests running on it. NULL is ignored.
+/// Releases a model. Waits for every call on it that has already begun (running or queued
+/// requests, model_info); calls that begin after it fail with ATLAS_STATUS_INVALID_ARGUMENT.
+/// From inside an on_chunk callback of a request on the same model it returns at once and the
+/// model is released when that request returns. NULL and unknown handles are ignored.
 ///
 /// # Safety
-/// `model` is NULL or a handle from atlas_load not yet unloaded.
+/// None beyond the handle being a value (it is never dereferenced).
 #[no_mangle]
 pub unsafe extern "C" fn atlas_unload(model: *mut AtlasModel) {
-    if model.is_null() {
-        return;
-    }
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        let boxed = Box::from_raw(model);
-        // Taking the lock waits for the request in flight, if any.
-        drop(boxed.engine.lock().unwrap_or_else(PoisonError::into_inner));
-        drop(boxed);
-    }));
+    let _ = catch_unwind(AssertUnwindSafe(|| handles::unload(model)));
 }
 
 /// Runs an OpenAI chat-completions request. With "stream": true and a callback, each
@@ -204,7 +223,8 @@ pub unsafe extern "C" fn atlas_unload(model: *mut AtlasModel) {
 /// `*out_response_json` holds the chat.completion JSON.
 ///
 /// # Safety
-/// `model` is a live handle; other pointers are NULL or valid; strings are NUL-terminated.
+/// `model` is a handle from atlas_load; other pointers are NULL or valid; strings are
+/// NUL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn atlas_chat_completion(
     model: *mut AtlasModel,
@@ -216,10 +236,25 @@ pub unsafe extern "C" fn atlas_chat_completion(
 ) -> i32 {
     set_out(out_response_json, None);
     guarded(out_error, || {
-        let model = model.as_ref().ok_or((AtlasStatus::InvalidArgument, "model is NULL".to_string()))?;
+        let call = handles::Call::enter(model).map_err(|e| failed(e, false))?;
+        let _running = Reentry::begin(&call).map_err(|e| failed(e, false))?;
+        let loaded = &call.loaded;
+        if request_json.is_null() {
+            return Err((AtlasStatus::InvalidArgument, "request_json is NULL".into()));
+        }
+        let size = CStr::from_ptr(request_json).to_bytes().len();
+        if size > loaded.max_request_bytes {
+            return Err((
+                AtlasStatus::InvalidRequest,
+                format!("the request is {size} bytes, over the limit of {} (load option max_request_bytes)", loaded.max_request_bytes),
+            ));
+        }
         let text = str_arg(request_json, "request_json")?;
-        let request = ChatRequest::from_json_str(text).map_err(|e| (status_of(&e, false), e.to_string()))?;
-        let mut engine = lock(model);
+        let turn = loaded.take_turn();
+        let request = ChatRequest::from_json_str(text).map_err(|e| failed(e, false))?;
+        // Rendering and tokenizing need no engine: done while earlier requests run.
+        let prepared = prepare_chat(&loaded.front, request).map_err(|e| failed(e, false))?;
+        let mut engine = turn.engine().map_err(|e| failed(e, false))?;
         let mut sink = |chunk: &str| match on_chunk {
             Some(cb) => {
                 let c = CString::new(chunk).unwrap_or_default();
@@ -227,23 +262,23 @@ pub unsafe extern "C" fn atlas_chat_completion(
             }
             None => true,
         };
-        let response = chat_completion(&mut engine, &request, &mut sink).map_err(|e| (status_of(&e, false), e.to_string()))?;
+        let response = run_chat(engine.get(), prepared, &mut sink).map_err(|e| failed(e, false))?;
         set_out(out_response_json, Some(&response.to_string()));
         Ok(())
     })
 }
 
-/// Describes the loaded model as JSON (device, architecture, context size, ...).
+/// Describes the loaded model as JSON (device, architecture, context size, ...). It never waits
+/// for a running request, and may be called from inside on_chunk.
 ///
 /// # Safety
-/// `model` is a live handle; other pointers are NULL or valid.
+/// `model` is a handle from atlas_load; other pointers are NULL or valid.
 #[no_mangle]
 pub unsafe extern "C" fn atlas_model_info(model: *mut AtlasModel, out_info_json: *mut *mut c_char, out_error: *mut *mut c_char) -> i32 {
     set_out(out_info_json, None);
     guarded(out_error, || {
-        let model = model.as_ref().ok_or((AtlasStatus::InvalidArgument, "model is NULL".to_string()))?;
-        let report = serde_json::to_string(lock(model).report()).map_err(|e| (AtlasStatus::Internal, e.to_string()))?;
-        set_out(out_info_json, Some(&report));
+        let call = handles::Call::enter(model).map_err(|e| failed(e, false))?;
+        set_out(out_info_json, Some(&call.loaded.info));
         Ok(())
     })
 }
@@ -257,16 +292,6 @@ pub unsafe extern "C" fn atlas_string_free(s: *mut c_char) {
     if !s.is_null() {
         drop(CString::from_raw(s));
     }
-}
-
-/// A panic in an earlier request may have left the cache half-written: forget it, keep the model.
-fn lock(model: &AtlasModel) -> std::sync::MutexGuard<'_, Engine> {
-    model.engine.lock().unwrap_or_else(|poisoned| {
-        model.engine.clear_poison();
-        let mut engine = poisoned.into_inner();
-        engine.reset_cache();
-        engine
-    })
 }
 
 #[cfg(test)]
@@ -285,8 +310,17 @@ mod tests {
 
     #[test]
     fn options_are_checked() {
-        assert!(parse_options(r#"{"model": "m", "threads": 2, "seed": 5}"#).is_ok());
-        for bad in [r#"{"model": 1}"#, r#"{"model": "m", "ctx_size": "big"}"#, r#"{"model": "m", "typo": 1}"#, "[]"] {
+        let opts = parse_options(r#"{"model": "m", "threads": 2, "seed": 5}"#).unwrap();
+        assert_eq!((opts.seed, opts.max_request_bytes), (Some(5), DEFAULT_MAX_REQUEST_BYTES));
+        assert_eq!(parse_options(r#"{"model": "m", "max_request_bytes": 100}"#).unwrap().max_request_bytes, 100);
+        for bad in [
+            r#"{"model": 1}"#,
+            r#"{"model": "m", "ctx_size": "big"}"#,
+            r#"{"model": "m", "typo": 1}"#,
+            r#"{"model": "m", "max_request_bytes": 0}"#,
+            r#"{"model": "m", "seed": -1}"#,
+            "[]",
+        ] {
             assert!(matches!(parse_options(bad), Err(Error::InvalidArgument(_))), "{bad}");
         }
     }

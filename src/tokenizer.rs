@@ -35,6 +35,13 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The longest token's spelling in bytes. Every pre-tokenizer Atlas meets spells a token in at
+    /// least as many bytes as the text it stands for (byte-level BPE maps a byte to one or two,
+    /// SentencePiece writes a space as the 3-byte `▁`, byte fallback as `<0xNN>`).
+    pub fn longest_token_bytes(&self) -> usize {
+        self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

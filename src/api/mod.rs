@@ -8,33 +8,36 @@ use serde_json::{json, Map, Value};
 pub use request::{ChatRequest, SamplingOverrides, ToolChoice};
 
 use crate::chat::output::{Delta, OutputParser};
-use crate::engine::{Engine, FinishReason, GenerateRequest};
+use crate::engine::{Engine, FinishReason, Frontend, GenerateRequest};
 use crate::sampling::{Rng, SamplingParams};
 use crate::{Error, Result};
 
 /// Receives each streamed chunk as JSON text; returns false to cancel the request.
 pub type ChunkSink<'a> = &'a mut dyn FnMut(&str) -> bool;
 
-/// Runs one chat completion. With `stream: true` in the request each chunk goes to `on_chunk`
-/// (the returned response is the same answer, whole). A cancelled request returns Error::Cancelled.
-pub fn chat_completion(engine: &mut Engine, request: &ChatRequest, on_chunk: ChunkSink) -> Result<Value> {
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let mut ids = Rng::new(created ^ u64::from(std::process::id()) ^ (request as *const _ as u64));
-    let model = request.model.clone().unwrap_or_else(|| engine.model_name());
-    let mut stream = Stream {
-        id: format!("chatcmpl-{:016x}{:08x}", ids.next_u64(), ids.next_u64() as u32),
-        created,
-        model,
-        enabled: request.stream,
-        sink: on_chunk,
-    };
+/// Requests larger than this are refused before they are parsed (hosts may choose another limit).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 8 << 20;
 
+/// A request rendered and tokenized, ready for the engine: the work that needs no engine lock.
+pub struct PreparedChat {
+    request: ChatRequest,
+    model: String,
+    prompt: Vec<u32>,
+    parser: OutputParser,
+}
+
+impl PreparedChat {
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt.len()
+    }
+}
+
+/// Renders the conversation with the model's template and tokenizes it. A prompt that cannot fit
+/// the context (with room for `max_tokens`, or one token) is refused here.
+pub fn prepare_chat(front: &Frontend, request: ChatRequest) -> Result<PreparedChat> {
     let use_tools = request.tools.is_some() && request.tool_choice != ToolChoice::None;
     let tools = request.tools.as_ref().filter(|_| use_tools);
-    let mut prompt = engine.template()?.render(&request.messages, tools, true, &request.template_kwargs)?;
+    let mut prompt = front.template()?.render(&request.messages, tools, true, &request.template_kwargs)?;
     let in_reasoning = prompt.trim_end().ends_with("<think>");
     let mut parser = OutputParser::new(in_reasoning, tools);
     if let Some(forced) = forced_call_prefix(&request.tool_choice, &prompt) {
@@ -46,9 +49,37 @@ pub fn chat_completion(engine: &mut Engine, request: &ChatRequest, on_chunk: Chu
         prompt.push_str(&forced);
         parser.start_in_tool_call(&forced);
     }
-    let tokens = engine.tokenizer()?.encode(&prompt)?;
+    let tokens = front.encode_prompt(&prompt, request.max_tokens.unwrap_or(1))?;
+    let model = request.model.clone().unwrap_or_else(|| front.model_name());
+    Ok(PreparedChat { request, model, prompt: tokens, parser })
+}
+
+/// Renders, tokenizes and runs one chat completion (see [`run_chat`]).
+pub fn chat_completion(engine: &mut Engine, request: &ChatRequest, on_chunk: ChunkSink) -> Result<Value> {
+    let prepared = prepare_chat(&engine.frontend().clone(), request.clone())?;
+    run_chat(engine, prepared, on_chunk)
+}
+
+/// Runs one prepared chat completion. With `stream: true` in the request each chunk goes to
+/// `on_chunk` (the returned response is the same answer, whole). A cancelled request returns
+/// Error::Cancelled.
+pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink) -> Result<Value> {
+    let PreparedChat { request, model, prompt, mut parser } = prepared;
+    let request = &request;
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut ids = Rng::new(created ^ u64::from(std::process::id()) ^ (request as *const _ as u64));
+    let mut stream = Stream {
+        id: format!("chatcmpl-{:016x}{:08x}", ids.next_u64(), ids.next_u64() as u32),
+        created,
+        model,
+        enabled: request.stream,
+        sink: on_chunk,
+    };
     let gen = GenerateRequest {
-        prompt: tokens,
+        prompt,
         max_tokens: request.max_tokens,
         sampling: sampling(engine.default_sampling(), &request.sampling),
         stop: request.stop.clone(),

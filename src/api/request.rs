@@ -47,6 +47,12 @@ pub struct ChatRequest {
 /// Keys accepted without effect: they never change the generated text.
 const INERT_KEYS: [&str; 5] = ["user", "metadata", "store", "service_tier", "prompt_cache_key"];
 
+/// Every generated piece is matched against every stop string, and `model` is copied into every
+/// streamed chunk: both are bounded so that one request cannot slow or bloat every token.
+pub const MAX_STOP_STRINGS: usize = 64;
+pub const MAX_STOP_BYTES: usize = 1024;
+pub const MAX_MODEL_NAME_BYTES: usize = 256;
+
 impl ChatRequest {
     pub fn from_json_str(text: &str) -> Result<Self> {
         let json: Value =
@@ -98,7 +104,7 @@ impl ChatRequest {
                     req.template_kwargs.extend(m.clone());
                 }
                 "reasoning_effort" => reasoning_effort = Some(v.as_str().ok_or_else(|| bad("reasoning_effort must be a string"))?),
-                "model" => req.model = Some(v.as_str().ok_or_else(|| bad("model must be a string"))?.to_string()),
+                "model" => req.model = Some(model_name(v)?),
                 "n" if v.as_u64() == Some(1) => {}
                 "n" => return Err(Error::Unsupported("n other than 1 (one choice per request)".into())),
                 "logprobs" if v.as_bool() == Some(false) => {}
@@ -167,7 +173,21 @@ fn stop(v: &Value) -> Result<Vec<String>> {
     if list.iter().any(String::is_empty) {
         return Err(bad("stop strings must not be empty"));
     }
+    if list.len() > MAX_STOP_STRINGS {
+        return Err(bad(&format!("stop has {} strings (at most {MAX_STOP_STRINGS})", list.len())));
+    }
+    if let Some(long) = list.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(bad(&format!("a stop string of {} bytes (at most {MAX_STOP_BYTES})", long.len())));
+    }
     Ok(list)
+}
+
+fn model_name(v: &Value) -> Result<String> {
+    let name = v.as_str().ok_or_else(|| bad("model must be a string"))?;
+    if name.len() > MAX_MODEL_NAME_BYTES {
+        return Err(bad(&format!("model is {} bytes long (at most {MAX_MODEL_NAME_BYTES})", name.len())));
+    }
+    Ok(name.to_string())
 }
 
 fn stream_options(v: &Value) -> Result<bool> {
@@ -389,6 +409,12 @@ mod tests {
                     "tool_choice": {"type": "function", "function": {"name": "g"}}}), "\"g\""),
             (json!({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function":
                     {"name": "f", "arguments": "{oops"}}]}]}), "not valid JSON"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "stop": vec!["s"; MAX_STOP_STRINGS + 1]}),
+                "at most 64"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "stop": "s".repeat(MAX_STOP_BYTES + 1)}),
+                "at most 1024"),
+            (json!({"messages": [{"role": "user", "content": "x"}], "model": "m".repeat(MAX_MODEL_NAME_BYTES + 1)}),
+                "at most 256"),
         ];
         for (req, needle) in cases {
             let err = parse(req.clone()).unwrap_err().to_string();

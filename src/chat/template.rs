@@ -108,8 +108,8 @@ impl ChatTemplate {
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
         for (key, value) in kwargs {
             if FIXED.contains(&key.as_str()) {
-                return Err(Error::InvalidArgument(format!(
-                    "chat template kwarg {key:?} clashes with an argument of apply_chat_template"
+                return Err(Error::InvalidRequest(format!(
+                    "chat_template_kwargs {key:?} clashes with an argument of apply_chat_template"
                 )));
             }
             ctx.insert(key.clone(), value.clone());
@@ -1084,7 +1084,7 @@ mod tests {
         let messages = json!([{"role": "user", "content": "hi"}]);
         assert!(matches!(
             template.render(&messages, None, true, &kwargs),
-            Err(Error::InvalidArgument(_))
+            Err(Error::InvalidRequest(_))
         ));
     }
 

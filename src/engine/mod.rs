@@ -1,11 +1,13 @@
 //! The engine: one loaded model with its tokenizer, chat template and KV cache. It turns a prompt
 //! into tokens and text, reusing the cached prefix of the previous request.
 
+mod frontend;
 mod stop;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+pub use frontend::{check_fits, Frontend};
 pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
@@ -104,10 +106,7 @@ pub struct Generation {
 
 pub struct Engine {
     model: Box<dyn LanguageModel>,
-    tokenizer: Option<Tokenizer>,
-    template: Option<ChatTemplate>,
-    defaults: GenerationDefaults,
-    ctx_size: usize,
+    front: Frontend,
     /// Tokens whose keys and values are in the cache, in order.
     cached: Vec<u32>,
     default_seed: Option<u64>,
@@ -161,15 +160,18 @@ impl Engine {
             has_chat_template: template.is_some(),
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
-        Ok(Engine { model, tokenizer, template, defaults, ctx_size, cached: Vec::new(), default_seed: None, report })
+        let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
+        Ok(Engine { model, front, cached: Vec::new(), default_seed: None, report })
+    }
+
+    /// The tokenizer, template and limits, shared: usable while the engine runs a request.
+    pub fn frontend(&self) -> &Frontend {
+        &self.front
     }
 
     /// The name responses carry in `model`: the model directory's name.
     pub fn model_name(&self) -> String {
-        Path::new(&self.report.model_dir)
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| self.report.model_dir.clone())
+        self.front.model_name()
     }
 
     pub fn report(&self) -> &LoadReport {
@@ -181,23 +183,19 @@ impl Engine {
     }
 
     pub fn ctx_size(&self) -> usize {
-        self.ctx_size
+        self.front.ctx_size()
     }
 
     pub fn defaults(&self) -> &GenerationDefaults {
-        &self.defaults
+        self.front.defaults()
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
-        self.tokenizer.as_ref().ok_or_else(|| {
-            Error::InvalidRequest(format!("{} has no tokenizer.json: only token-id commands work", self.report.model_dir))
-        })
+        self.front.tokenizer()
     }
 
     pub fn template(&self) -> Result<&ChatTemplate> {
-        self.template.as_ref().ok_or_else(|| {
-            Error::InvalidRequest(format!("{} has no chat template", self.report.model_dir))
-        })
+        self.front.template()
     }
 
     /// Forgets the cached prefix (after a failure that may have left it half-written).
@@ -212,7 +210,7 @@ impl Engine {
 
     /// Sampling settings from generation_config.json, the starting point of every request.
     pub fn default_sampling(&self) -> SamplingParams {
-        let d = &self.defaults;
+        let d = self.front.defaults();
         let base = SamplingParams::default();
         SamplingParams {
             temperature: d.temperature.unwrap_or(base.temperature),
@@ -227,10 +225,11 @@ impl Engine {
 
     /// End-of-sequence ids: generation_config.json's, else config.json's.
     pub fn eos_ids(&self) -> &[u32] {
-        if self.defaults.eos_token_ids.is_empty() {
+        let defaults = self.front.defaults();
+        if defaults.eos_token_ids.is_empty() {
             &self.model.config().eos_token_ids
         } else {
-            &self.defaults.eos_token_ids
+            &defaults.eos_token_ids
         }
     }
 
@@ -264,27 +263,29 @@ impl Engine {
                 self.cached.len()
             )));
         }
-        self.check_fits(start_pos + tokens.len(), 0)?;
+        check_fits(start_pos, tokens.len(), self.ctx_size())?;
         self.cached.truncate(start_pos);
         Ok(())
     }
 
-    /// Renders a conversation with the model's template and tokenizes it.
+    /// Renders a conversation with the model's template and tokenizes it, leaving room for
+    /// `new_tokens` (None: at least one).
     pub fn chat_prompt(
         &self,
         messages: &serde_json::Value,
         tools: Option<&serde_json::Value>,
         kwargs: &serde_json::Map<String, serde_json::Value>,
+        new_tokens: Option<usize>,
     ) -> Result<Vec<u32>> {
         let text = self.template()?.render(messages, tools, true, kwargs)?;
-        self.tokenizer()?.encode(&text)
+        self.front.encode_prompt(&text, new_tokens.unwrap_or(1))
     }
 
     /// Generates up to `max_tokens` tokens. With a tokenizer, `on_text` receives each piece of new
     /// text (never part of a UTF-8 character or of a stop string); it returns false to cancel.
     /// Only ids the tokenizer can decode are ever chosen.
     pub fn generate(&mut self, req: &GenerateRequest, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Generation> {
-        let vocab_limit = self.tokenizer.as_ref().map_or(usize::MAX, Tokenizer::vocab_size);
+        let vocab_limit = self.front.tokenizer().map_or(usize::MAX, Tokenizer::vocab_size);
         self.run(req, Some(vocab_limit), on_text)
     }
 
@@ -305,17 +306,15 @@ impl Engine {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
         req.sampling.validate().map_err(Error::InvalidRequest)?;
-        let room = self.ctx_size.saturating_sub(req.prompt.len());
+        let ctx_size = self.ctx_size();
         let max_tokens = match req.max_tokens {
-            Some(n) => {
-                self.check_fits(req.prompt.len(), n)?;
-                n
-            }
-            None if room == 0 => return Err(self.overflow(req.prompt.len(), 1)),
-            None => room,
+            Some(n) => n,
+            None => ctx_size.saturating_sub(req.prompt.len()).max(1),
         };
+        check_fits(req.prompt.len(), max_tokens, ctx_size)?;
         let mut sampler = Sampler::new(req.sampling.clone(), vocab_limit.unwrap_or(usize::MAX));
-        let text_tokenizer = vocab_limit.and(self.tokenizer.as_ref());
+        let front = self.front.clone();
+        let text_tokenizer = vocab_limit.and(front.tokenizer().ok());
         let mut detok = Detokenizer::new(true);
         let mut stops = StopMatcher::new(req.stop.clone());
 
@@ -389,19 +388,6 @@ impl Engine {
         Ok(out)
     }
 
-    fn check_fits(&self, prompt: usize, new_tokens: usize) -> Result<()> {
-        if prompt + new_tokens > self.ctx_size {
-            return Err(self.overflow(prompt, new_tokens));
-        }
-        Ok(())
-    }
-
-    fn overflow(&self, prompt: usize, new_tokens: usize) -> Error {
-        Error::ContextOverflow(format!(
-            "{prompt} prompt tokens + {new_tokens} new tokens exceed the context of {} tokens",
-            self.ctx_size
-        ))
-    }
 }
 
 /// Passes `piece` through the stop matcher and hands the releasable text to `on_text`.

@@ -1,17 +1,24 @@
 /*
  * A plain C host for the Atlas C ABI: dlopens the library like Lemonade would and drives load,
- * chat, streaming, cancellation, bad options, bad requests, context overflow and unload.
+ * chat, streaming, cancellation, bad options, bad requests, context overflow, limits, unload
+ * racing requests, arrival order, re-entrant calls from a callback, and stale handles.
  *
- *   cc -std=c11 -Wall -Wextra -I include tests/c/host.c -ldl -o host
+ *   cc -std=c11 -Wall -Wextra -I include tests/c/host.c -ldl -pthread -o host
  *   ./host target/release/libatlas.so tests/fixtures/models/chat_tiny [loops]
  *
- * Built with -fsanitize=address,undefined in CI; `loops` repeats load -> chat -> unload so leak
- * detection sees every allocation the library makes.
+ * Built with -fsanitize=address,undefined in CI; `loops` repeats every test (the unload race
+ * many times per loop) so the sanitizers and leak detection see every path the library takes.
+ * A deadlock ends the run through alarm().
  */
+#define _DEFAULT_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "atlas.h"
 
@@ -23,8 +30,8 @@ static int32_t (*p_chat)(AtlasModel *, const char *, AtlasChunkCallback, void *,
 static int32_t (*p_info)(AtlasModel *, char **, char **);
 static void (*p_free)(char *);
 
-static int failures = 0;
-static int checks = 0;
+static atomic_int failures = 0;
+static atomic_int checks = 0;
 
 #define CHECK(cond, ...)                                                    \
     do {                                                                    \
@@ -80,7 +87,7 @@ static const char *GREEDY =
     "\"temperature\":0,\"max_tokens\":24%s}";
 
 static char *request(const char *extra) {
-    static char buf[1024];
+    static _Thread_local char buf[1024];
     snprintf(buf, sizeof buf, GREEDY, extra);
     return buf;
 }
@@ -109,15 +116,19 @@ static void test_bad_options(void) {
     }
 }
 
-static AtlasModel *load(const char *dir) {
+static AtlasModel *load_with(const char *dir, const char *extra) {
     char opts[1024];
-    snprintf(opts, sizeof opts, "{\"model\":\"%s\",\"device\":\"cpu\",\"ctx_size\":256,\"threads\":2}", dir);
+    snprintf(opts, sizeof opts, "{\"model\":\"%s\",\"device\":\"cpu\",\"ctx_size\":256,\"threads\":2%s}", dir, extra);
     AtlasModel *m = NULL;
     char *err = NULL;
     int32_t rc = p_load(opts, &m, &err);
     CHECK(rc == ATLAS_STATUS_OK && m != NULL, "load: %d %s", rc, err ? err : "");
     p_free(err);
     return m;
+}
+
+static AtlasModel *load(const char *dir) {
+    return load_with(dir, "");
 }
 
 static void test_model(AtlasModel *m) {
@@ -148,6 +159,11 @@ static void test_model(AtlasModel *m) {
     CHECK(p_chat(NULL, request(""), NULL, NULL, NULL, NULL) == ATLAS_STATUS_INVALID_ARGUMENT, "NULL model");
     CHECK(chat(m, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":100000}", NULL, NULL) ==
               ATLAS_STATUS_CONTEXT_OVERFLOW, "overflow");
+    /* A sum that wraps in 64 bits must not pass the context check. */
+    CHECK(chat(m, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":18446744073709551615}", NULL, NULL) ==
+              ATLAS_STATUS_CONTEXT_OVERFLOW, "max_tokens 2^64-1");
+    CHECK(chat(m, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":{\"messages\":1}}", NULL, NULL) ==
+              ATLAS_STATUS_INVALID_REQUEST, "kwarg clash");
     CHECK(chat(m, request(""), NULL, &again) == ATLAS_STATUS_OK, "chat again");
 
     /* Same greedy answer every time (ids and timings differ, the message must not). */
@@ -160,6 +176,163 @@ static void test_model(AtlasModel *m) {
     p_free(plain);
     p_free(again);
     p_free(streamed);
+}
+
+static void on_alarm(int sig) {
+    (void)sig;
+    static const char msg[] = "FAIL: still blocked after 120 s (deadlock)\n";
+    (void)!write(2, msg, sizeof msg - 1);
+    _exit(124);
+}
+
+/* Oversized input is refused before it costs anything, and the model stays usable. */
+static void test_limits(const char *dir) {
+    AtlasModel *m = load_with(dir, ",\"max_request_bytes\":65536");
+    if (!m) return;
+    size_t n = 1 << 20;
+    char *big = malloc(n + 128);
+    int o = sprintf(big, "{\"messages\":[{\"role\":\"user\",\"content\":\"");
+    memset(big + o, 'a', n);
+    strcpy(big + o + n, "\"}]}");
+    char *err = NULL, *resp = NULL;
+    CHECK(p_chat(m, big, NULL, NULL, &resp, &err) == ATLAS_STATUS_INVALID_REQUEST && err && strstr(err, "max_request_bytes"),
+          "1 MiB request over a 64 KiB limit: %s", err ? err : "(null)");
+    p_free(err);
+    p_unload(m);
+
+    /* Under the default limit, a message far longer than the context fails from its length. */
+    m = load(dir);
+    if (!m) { free(big); return; }
+    err = NULL;
+    CHECK(p_chat(m, big, NULL, NULL, &resp, &err) == ATLAS_STATUS_CONTEXT_OVERFLOW && err && strstr(err, "at least"),
+          "1 MiB message: %s", err ? err : "(null)");
+    p_free(err);
+    free(big);
+
+    /* Many stop strings would be matched against every token: bounded. */
+    char *stops = malloc(200000 * 8 + 256);
+    o = sprintf(stops, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"stop\":[");
+    for (int i = 0; i < 200000; i++) o += sprintf(stops + o, "%s\"s%d\"", i ? "," : "", i % 1000);
+    strcpy(stops + o, "]}");
+    CHECK(chat(m, stops, NULL, NULL) == ATLAS_STATUS_INVALID_REQUEST, "200000 stop strings");
+    free(stops);
+    CHECK(chat(m, request(""), NULL, NULL) == ATLAS_STATUS_OK, "usable after refusals");
+    p_unload(m);
+}
+
+/* Unload while another thread's request is running or queued: the request finishes or fails
+   cleanly, never touches freed memory (ASan), and later calls with the handle fail. */
+static AtlasModel *race_model;
+static atomic_int race_entered;
+
+static void *race_request(void *arg) {
+    (void)arg;
+    atomic_store(&race_entered, 1);
+    int32_t rc = chat(race_model, request(""), NULL, NULL);
+    CHECK(rc == ATLAS_STATUS_OK || rc == ATLAS_STATUS_INVALID_ARGUMENT, "raced request: status %d", rc);
+    return NULL;
+}
+
+static void test_unload_race(const char *dir, int rounds) {
+    for (int i = 0; i < rounds; i++) {
+        race_model = load(dir);
+        if (!race_model) return;
+        atomic_store(&race_entered, 0);
+        pthread_t t;
+        pthread_create(&t, NULL, race_request, NULL);
+        while (!atomic_load(&race_entered)) usleep(10);
+        usleep((useconds_t)(i % 7) * 300);
+        p_unload(race_model);
+        pthread_join(t, NULL);
+        char *err = NULL, *info = NULL;
+        CHECK(p_info(race_model, &info, &err) == ATLAS_STATUS_INVALID_ARGUMENT && info == NULL && err && strstr(err, "not loaded"),
+              "stale handle: %s", err ? err : "(null)");
+        p_free(err);
+        CHECK(chat(race_model, request(""), NULL, NULL) == ATLAS_STATUS_INVALID_ARGUMENT, "chat on a stale handle");
+    }
+}
+
+/* Requests use the model in arrival order: B arrives while A's first request runs, so B is
+   served before A's second request, which arrives after A's first returns. */
+static AtlasModel *fifo_model;
+static atomic_int fifo_order, b_done_at, a2_done_at;
+
+static void *fifo_b(void *arg) {
+    (void)arg;
+    CHECK(chat(fifo_model, request(""), NULL, NULL) == ATLAS_STATUS_OK, "B");
+    atomic_store(&b_done_at, atomic_fetch_add(&fifo_order, 1) + 1);
+    return NULL;
+}
+
+static pthread_t fifo_thread;
+static int32_t start_b_then_wait(const char *chunk, void *user_data) {
+    (void)chunk;
+    int *started = user_data;
+    if (!*started) {
+        *started = 1;
+        pthread_create(&fifo_thread, NULL, fifo_b, NULL);
+        usleep(200000); /* B enters and takes its place in the queue meanwhile */
+    }
+    return 0;
+}
+
+static void test_arrival_order(const char *dir) {
+    fifo_model = load(dir);
+    if (!fifo_model) return;
+    atomic_store(&fifo_order, 0);
+    int started = 0;
+    char *resp = NULL, *err = NULL;
+    CHECK(p_chat(fifo_model, request(",\"stream\":true"), start_b_then_wait, &started, &resp, &err) == ATLAS_STATUS_OK, "A1");
+    p_free(resp);
+    p_free(err);
+    CHECK(chat(fifo_model, request(""), NULL, NULL) == ATLAS_STATUS_OK, "A2");
+    atomic_store(&a2_done_at, atomic_fetch_add(&fifo_order, 1) + 1);
+    if (started) pthread_join(fifo_thread, NULL);
+    CHECK(atomic_load(&b_done_at) == 1 && atomic_load(&a2_done_at) == 2, "B finished #%d, A2 #%d", atomic_load(&b_done_at),
+          atomic_load(&a2_done_at));
+    p_unload(fifo_model);
+}
+
+/* Calls back into the same model from inside on_chunk: info answers, a nested request fails at
+   once instead of deadlocking, and unload is deferred until the outer request returns. */
+struct reentry { AtlasModel *m; int mode; int calls; int32_t nested_rc; };
+
+static int32_t reenter(const char *chunk, void *user_data) {
+    (void)chunk;
+    struct reentry *r = user_data;
+    if (r->calls++ > 0) return 0;
+    char *out = NULL, *err = NULL;
+    if (r->mode == 0) {
+        r->nested_rc = p_chat(r->m, request(""), NULL, NULL, &out, &err);
+    } else if (r->mode == 1) {
+        r->nested_rc = p_info(r->m, &out, &err);
+    } else {
+        p_unload(r->m);
+        r->nested_rc = p_info(r->m, &out, &err);
+    }
+    p_free(out);
+    p_free(err);
+    return 0;
+}
+
+static void test_reentrancy(const char *dir) {
+    const int32_t want_nested[3] = {ATLAS_STATUS_INVALID_ARGUMENT, ATLAS_STATUS_OK, ATLAS_STATUS_INVALID_ARGUMENT};
+    for (int mode = 0; mode < 3; mode++) {
+        struct reentry r = {.m = load(dir), .mode = mode};
+        if (!r.m) return;
+        char *resp = NULL, *err = NULL;
+        int32_t rc = p_chat(r.m, request(",\"stream\":true"), reenter, &r, &resp, &err);
+        CHECK(rc == ATLAS_STATUS_OK, "mode %d: outer request %d %s", mode, rc, err ? err : "");
+        CHECK(r.nested_rc == want_nested[mode], "mode %d: nested call returned %d", mode, r.nested_rc);
+        p_free(resp);
+        p_free(err);
+        if (mode == 2) {
+            CHECK(chat(r.m, request(""), NULL, NULL) == ATLAS_STATUS_INVALID_ARGUMENT, "after a deferred unload");
+        } else {
+            CHECK(chat(r.m, request(""), NULL, NULL) == ATLAS_STATUS_OK, "mode %d: usable afterwards", mode);
+            p_unload(r.m);
+        }
+    }
 }
 
 int main(int argc, char **argv) {
@@ -186,10 +359,16 @@ int main(int argc, char **argv) {
     p_unload(NULL);
     p_free(NULL);
     test_bad_options();
+    signal(SIGALRM, on_alarm);
+    alarm(120);
     for (int i = 0; i < loops; i++) {
         AtlasModel *m = load(argv[2]);
         if (m) test_model(m);
         p_unload(m);
+        test_limits(argv[2]);
+        test_unload_race(argv[2], 20);
+        test_arrival_order(argv[2]);
+        test_reentrancy(argv[2]);
     }
     printf("%d passed, %d failed\n", checks - failures, failures);
     return failures ? 1 : 0;

@@ -234,7 +234,7 @@ impl GenArgs {
 
 /// One assistant turn: streams the answer to stdout and returns its text.
 fn answer(engine: &mut Engine, gen: &GenArgs, messages: &[Value]) -> Result<String> {
-    let prompt = engine.chat_prompt(&Value::Array(messages.to_vec()), None, &gen.kwargs())?;
+    let prompt = engine.chat_prompt(&Value::Array(messages.to_vec()), None, &gen.kwargs(), gen.max_tokens)?;
     let req = GenerateRequest {
         prompt,
         max_tokens: gen.max_tokens,
