@@ -53,6 +53,9 @@ pub struct Bound<B: Backend> {
     backend: B,
     model: qwen3::Qwen3<B>,
     cache: Vec<B::KvCache>,
+    /// Positions the cache was made for. A replayed decode step writes where its device-side
+    /// position says, unchecked, so every step is held within this before it reaches a backend.
+    ctx_size: usize,
     /// Forward passes so far: decode steps are recorded only once everything they touch exists.
     passes: usize,
     /// False once the backend failed to record a decode step: later steps run without a graph.
@@ -69,7 +72,7 @@ impl<B: Backend> Bound<B> {
     ) -> Result<Self> {
         let model = qwen3::Qwen3::load(config, source, &backend, progress)?;
         let cache = model.new_cache(&backend, ctx_size)?;
-        Ok(Bound { backend, model, cache, passes: 0, recordable: true })
+        Ok(Bound { backend, model, cache, ctx_size, passes: 0, recordable: true })
     }
 }
 
@@ -81,6 +84,13 @@ impl<B: Backend> LanguageModel for Bound<B> {
     fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("no tokens to run".into()));
+        }
+        let ctx = self.ctx_size;
+        if start_pos.checked_add(tokens.len()).is_none_or(|end| end > ctx) {
+            return Err(Error::ContextOverflow(format!(
+                "{} tokens at position {start_pos} go past the context of {ctx} positions",
+                tokens.len()
+            )));
         }
         // Checked here for every path: a replayed decode step reads its token on the device.
         let vocab = self.model.config.vocab_size;

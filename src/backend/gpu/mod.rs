@@ -195,6 +195,28 @@ fn blocks(n: usize, per: u32) -> u32 {
     n.div_ceil(per as usize) as u32
 }
 
+/// The product of a buffer's dimensions and element size, checked: a product that wrapped would
+/// size a buffer smaller than what is then written into it.
+fn byte_size(what: &str, factors: &[usize]) -> Result<usize> {
+    factors.iter().try_fold(1usize, |n, &f| n.checked_mul(f)).ok_or_else(|| {
+        let factors: Vec<String> = factors.iter().map(usize::to_string).collect();
+        Error::InvalidArgument(format!("{what} of {} bytes does not fit in memory", factors.join(" x ")))
+    })
+}
+
+/// Bytes of one bf16 KV buffer of `capacity` positions of `width` values.
+fn kv_bytes(capacity: usize, width: usize) -> Result<usize> {
+    let bytes = capacity.checked_mul(width).and_then(|n| n.checked_mul(2)).ok_or_else(|| {
+        Error::InvalidArgument(format!("KV cache of {capacity} positions x {width} values does not fit in memory"))
+    })?;
+    if capacity > i32::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "KV cache of {capacity} positions: the kernels take positions as 32-bit integers"
+        )));
+    }
+    Ok(bytes)
+}
+
 impl GpuBackend {
     pub fn new(rt: Arc<dyn Runtime>) -> Self {
         let decode = DecodeGraph {
@@ -243,9 +265,10 @@ impl GpuBackend {
     fn scratch(&self, bytes: usize) -> Result<DeviceBuffer> {
         let mut d = self.decode_state();
         if d.recording {
-            let start = d.arena_used.next_multiple_of(256);
-            d.arena_used = start + bytes;
-            if let Some(arena) = d.arena.as_ref().filter(|_| start + bytes <= d.arena_size) {
+            // Saturated, an absurd request cannot wrap around into a slice the arena holds.
+            let start = d.arena_used.checked_next_multiple_of(256).unwrap_or(usize::MAX);
+            d.arena_used = start.saturating_add(bytes);
+            if let Some(arena) = d.arena.as_ref().filter(|_| d.arena_used <= d.arena_size) {
                 return Ok(DeviceBuffer { ptr: arena.ptr + start as u64, rt: None });
             }
         }
@@ -339,7 +362,7 @@ impl GpuBackend {
             // sizes the splits from the position).
             let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + 1 };
             let splits = longest.div_ceil(ATTENTION_CHUNK).min(ATTENTION_MAX_SPLITS);
-            let partial = self.scratch(num_heads * splits * (d + 2) * 4)?;
+            let partial = self.scratch(byte_size("attention partial results", &[num_heads, splits, d + 2, 4])?)?;
             // The kernel's tiles, query and probabilities (bf16), or the merge's weights.
             let tile = DEC_MAX_TILE.min(DEC_TILE_ELEMS / d / 16 * 16);
             let shared = (((2 * tile + 16) * (d + 8) + 16 * (tile + 8)) * 2).max(group * splits * 4);
@@ -392,11 +415,14 @@ impl GpuBackend {
         if d % 16 != 0 || d > 256 {
             return Err(Error::Unsupported(format!("head_dim {d} on the GPU (a multiple of 16, at most 256)")));
         }
+        let end = start_pos
+            .checked_add(q.rows)
+            .ok_or_else(|| Error::ContextOverflow(format!("{} positions from {start_pos}", q.rows)))?;
         let recorded = self.recorded_inputs();
-        if recorded.is_some() && start_pos + q.rows > cache.capacity {
-            return Err(Error::ContextOverflow(format!("position {} is past the KV cache", start_pos + q.rows)));
+        if recorded.is_some() && end > cache.capacity {
+            return Err(Error::ContextOverflow(format!("position {end} is past the KV cache of {}", cache.capacity)));
         }
-        self.grow_cache(cache, start_pos + q.rows)?;
+        self.grow_cache(cache, end)?;
         Ok(recorded.map_or(0, |p| p + 4))
     }
 
@@ -442,12 +468,16 @@ impl GpuBackend {
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<GpuTensor> {
-        Ok(GpuTensor { buf: self.scratch(rows * cols * 4)?, rows, cols })
+        Ok(GpuTensor { buf: self.scratch(byte_size(&format!("tensor [{rows}, {cols}]"), &[rows, cols, 4])?)?, rows, cols })
     }
 
     /// A tensor that outlives any recording (weights, tables, test inputs): never from the arena.
     pub fn upload_f32(&self, rows: usize, cols: usize, data: &[f32]) -> Result<GpuTensor> {
-        let t = GpuTensor { buf: DeviceBuffer::new(&self.rt, rows * cols * 4)?, rows, cols };
+        let bytes = byte_size(&format!("tensor [{rows}, {cols}]"), &[rows, cols, 4])?;
+        if bytes != std::mem::size_of_val(data) {
+            return Err(Error::InvalidArgument(format!("upload of {} values into a tensor [{rows}, {cols}]", data.len())));
+        }
+        let t = GpuTensor { buf: DeviceBuffer::new(&self.rt, bytes)?, rows, cols };
         self.rt.upload(t.buf.ptr, as_bytes(data))?;
         Ok(t)
     }
@@ -518,11 +548,11 @@ impl GpuBackend {
         }
         // The recorded decode step points at the old buffers.
         self.forget_recording();
-        let capacity = needed.next_power_of_two().max(256);
-        let bytes = capacity * cache.width * 2;
+        let capacity = needed.checked_next_power_of_two().unwrap_or(usize::MAX).max(256);
+        let bytes = kv_bytes(capacity, cache.width)?;
         let keys = DeviceBuffer::new(&self.rt, bytes)?;
         let values = DeviceBuffer::new(&self.rt, bytes)?;
-        let used = cache.capacity * cache.width * 2;
+        let used = kv_bytes(cache.capacity, cache.width)?;
         if used > 0 {
             self.rt.copy(keys.ptr, cache.keys.ptr, used)?;
             self.rt.copy(values.ptr, cache.values.ptr, used)?;
@@ -558,7 +588,7 @@ impl Backend for GpuBackend {
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<GpuWeight> {
         let (rows, cols) = (w.rows(), w.cols());
-        let scale_grid = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
+        let what = format!("weight [{rows}, {cols}]");
         // FP8 checkpoints stay FP8 on the device: half the bytes to stream per token.
         if let Some((codes, scales)) = w.fp8_blocks() {
             let buf = DeviceBuffer::new(&self.rt, codes.len())?;
@@ -568,22 +598,23 @@ impl Backend for GpuBackend {
         }
         if let Some((seed, scale)) = w.synthetic() {
             // Random weights for benchmarks are made where they are used: no host copy of gigabytes.
-            let n = rows * cols;
+            let n = byte_size(&what, &[rows, cols])?;
             let grid = [blocks(n, BLOCK).min(65535 * 8), 1, 1];
             if w.dtype() == DType::F8E4M3 {
+                let scale_grid = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
                 let buf = DeviceBuffer::new(&self.rt, n)?;
                 let args = [Arg::Ptr(buf.ptr), Arg::I64(n as i64), Arg::U64(seed)];
                 self.rt.launch("fill_random_fp8", grid, [BLOCK, 1, 1], 0, &args)?;
                 let scales = self.upload_f32(1, scale_grid, &vec![scale; scale_grid])?.buf;
                 return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Fp8 { scales } });
             }
-            let buf = DeviceBuffer::new(&self.rt, n * 2)?;
+            let buf = DeviceBuffer::new(&self.rt, byte_size(&what, &[rows, cols, 2])?)?;
             let args = [Arg::Ptr(buf.ptr), Arg::I64(n as i64), Arg::U64(seed), Arg::F32(scale)];
             self.rt.launch("fill_random_bf16", grid, [BLOCK, 1, 1], 0, &args)?;
             return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Bf16 });
         }
         // Every other format is widened on the host (in parallel) and stored as bf16.
-        let buf = DeviceBuffer::new(&self.rt, rows * cols * 2)?;
+        let buf = DeviceBuffer::new(&self.rt, byte_size(&what, &[rows, cols, 2])?)?;
         let mut host = vec![bf16::ZERO; rows * cols];
         host.par_chunks_mut(cols.max(1)).enumerate().for_each_init(
             || vec![0f32; cols],
@@ -605,8 +636,8 @@ impl Backend for GpuBackend {
     }
 
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<GpuKvCache> {
+        let bytes = kv_bytes(capacity, kv_width)?.max(2);
         self.tickets()?;
-        let bytes = (capacity * kv_width * 2).max(2);
         Ok(GpuKvCache {
             keys: DeviceBuffer::new(&self.rt, bytes)?,
             values: DeviceBuffer::new(&self.rt, bytes)?,
@@ -896,7 +927,8 @@ impl Backend for GpuBackend {
         self.forget_recording();
         // The outputs live outside the graph: it ends by copying the logits there and by taking
         // their argmax, so a replay hands back either.
-        let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, vocab * 4)?, rows: 1, cols: vocab };
+        let logits_bytes = byte_size("decode logits", &[vocab, 4])?;
+        let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, logits_bytes)?, rows: 1, cols: vocab };
         let token_out = DeviceBuffer::new(&self.rt, 4)?;
         let inputs = self.set_inputs(token, pos, want)?;
         {
@@ -907,29 +939,15 @@ impl Backend for GpuBackend {
             }
             d.arena_used = 0;
         }
-        if self.rt.begin_capture().is_err() {
-            return Ok(None);
-        }
-        self.decode_state().recording = true;
-        let recorded = step().and_then(|out| {
+        let Ok(capture) = Capture::begin(self) else { return Ok(None) };
+        step().and_then(|out| {
             if (out.rows, out.cols) != (1, vocab) {
                 return Err(Error::InvalidArgument(format!("decode step returned [{}, {}]", out.rows, out.cols)));
             }
-            self.rt.copy(logits.buf.ptr, out.buf.ptr, vocab * 4)?;
+            self.rt.copy(logits.buf.ptr, out.buf.ptr, logits_bytes)?;
             self.launch_argmax(&logits, vocab, inputs + 8, token_out.ptr)
-        });
-        self.decode_state().recording = false;
-        let graph = self.rt.end_capture();
-        let exec = match (recorded, graph) {
-            (Ok(()), Ok(exec)) => exec,
-            (Ok(()), Err(e)) => return Err(e),
-            (Err(e), graph) => {
-                if let Ok(exec) = graph {
-                    self.rt.destroy_graph(exec);
-                }
-                return Err(e);
-            }
-        };
+        })?;
+        let exec = capture.end()?;
         // Capturing records without running: run it once now.
         if let Err(e) = self.rt.launch_graph(exec) {
             self.rt.destroy_graph(exec);
@@ -940,7 +958,7 @@ impl Backend for GpuBackend {
         d.token = Some(token_out);
         if d.arena_used > d.arena_size {
             // Record again next step, with room for every temporary.
-            d.arena_size = d.arena_used + d.arena_used / 4;
+            d.arena_size = d.arena_used.saturating_add(d.arena_used / 4);
             d.arena = None;
             self.rt.destroy_graph(exec);
         } else {
@@ -948,6 +966,40 @@ impl Backend for GpuBackend {
         }
         drop(d);
         self.recorded_output(want).map(Some)
+    }
+}
+
+/// A recording in progress. Dropped without `end` (an error or a panic in the step), it stops the
+/// capture and discards what was captured: left open, the capture would swallow the next request's
+/// launches, and `recording` would point them at the recorded step's inputs.
+struct Capture<'a> {
+    backend: &'a GpuBackend,
+    open: bool,
+}
+
+impl<'a> Capture<'a> {
+    fn begin(backend: &'a GpuBackend) -> Result<Self> {
+        backend.rt.begin_capture()?;
+        backend.decode_state().recording = true;
+        Ok(Capture { backend, open: true })
+    }
+
+    /// Stops the capture and returns the executable graph of what it recorded.
+    fn end(mut self) -> Result<u64> {
+        self.open = false;
+        self.backend.decode_state().recording = false;
+        self.backend.rt.end_capture()
+    }
+}
+
+impl Drop for Capture<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            self.backend.decode_state().recording = false;
+            if let Ok(exec) = self.backend.rt.end_capture() {
+                self.backend.rt.destroy_graph(exec);
+            }
+        }
     }
 }
 
