@@ -3,7 +3,8 @@
 //!
 //! Every count, length, offset and size read from the file is checked against the bytes that remain
 //! (with checked arithmetic) before it is used, so a truncated or corrupt file gives an error naming
-//! the file, the key or tensor, and the reason; nothing is allocated from a count the file cannot back.
+//! the file, the key or tensor, and the reason; nothing is allocated from a count the file cannot back,
+//! and tables whose entries outgrow their encoding in memory are reserved fallibly.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -502,6 +503,22 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Room for `n` entries, each backed by at least one byte of the file (see `check_count`). An entry
+/// in memory is several times its encoding, so a large enough file can still ask for more than the
+/// process can get: that must be an error, as an allocation failure would abort the host process.
+fn reserved<T>(n: usize, what: &str) -> std::result::Result<Vec<T>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| format!("{what}: not enough memory for {n} entries"))?;
+    Ok(v)
+}
+
+/// [`reserved`] for an index by name.
+fn reserved_index(n: usize, what: &str) -> std::result::Result<HashMap<String, usize>, String> {
+    let mut m = HashMap::new();
+    m.try_reserve(n).map_err(|_| format!("{what}: not enough memory for {n} entries"))?;
+    Ok(m)
+}
+
 /// A name read from the file, made printable and short enough for an error message.
 fn shown(name: &str) -> String {
     let escaped: String = name.escape_debug().collect();
@@ -573,14 +590,14 @@ fn read_array(c: &mut Cursor, what: &str, depth: usize) -> std::result::Result<M
         11 => fixed!(I64, i64, 8),
         12 => fixed!(F64, f64, 8),
         8 => {
-            let mut v = Vec::with_capacity(n);
+            let mut v = reserved(n, what)?;
             for _ in 0..n {
                 v.push(c.string(what)?);
             }
             MetaArray::String(v)
         }
         9 => {
-            let mut v = Vec::with_capacity(n);
+            let mut v = reserved(n, what)?;
             for _ in 0..n {
                 v.push(read_array(c, what, depth + 1)?);
             }
@@ -610,8 +627,8 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
 
     // A key/value needs at least a key length (8), a type (4) and one byte of value.
     let n_kv = c.check_count(kv_count, 13, "the metadata table")?;
-    let mut metadata = Vec::with_capacity(n_kv);
-    let mut meta_index = HashMap::with_capacity(n_kv);
+    let mut metadata = reserved(n_kv, "the metadata table")?;
+    let mut meta_index = reserved_index(n_kv, "the metadata table")?;
     for i in 0..n_kv {
         let key = c.string(&format!("metadata key #{i}"))?;
         let what = format!("metadata {}", shown(&key));
@@ -633,8 +650,8 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
 
     // A tensor entry needs at least a name length (8), a dim count (4), a type (4) and an offset (8).
     let n_tensors = c.check_count(tensor_count, 24, "the tensor table")?;
-    let mut entries = Vec::with_capacity(n_tensors);
-    let mut tensor_index = HashMap::with_capacity(n_tensors);
+    let mut entries = reserved(n_tensors, "the tensor table")?;
+    let mut tensor_index = reserved_index(n_tensors, "the tensor table")?;
     for i in 0..n_tensors {
         let name = c.string(&format!("the name of tensor #{i}"))?;
         let what = format!("tensor {}", shown(&name));
@@ -678,7 +695,7 @@ fn parse(buf: &[u8]) -> std::result::Result<Parsed, String> {
         .checked_next_multiple_of(alignment)
         .ok_or_else(|| "the data section offset overflows".to_string())?;
     let file_len = buf.len() as u64;
-    let mut tensors = Vec::with_capacity(entries.len());
+    let mut tensors = reserved(entries.len(), "the tensor table")?;
     for (name, dims, ggml_type, offset, size) in entries {
         let start = data_start.checked_add(offset);
         let end = start.and_then(|s| s.checked_add(size));
@@ -778,6 +795,13 @@ mod tests {
         b[at..at + 8].copy_from_slice(&(1u64 << 62).to_le_bytes());
         let err = GgufFile::from_bytes("x.gguf", b).unwrap_err().to_string();
         assert!(err.contains("metadata xs"), "{err}");
+    }
+
+    #[test]
+    fn an_impossible_reservation_is_an_error() {
+        let err = reserved::<(String, MetaValue)>(usize::MAX / 16, "the metadata table").unwrap_err();
+        assert!(err.contains("the metadata table"), "{err}");
+        assert!(reserved_index(usize::MAX / 16, "the tensor table").is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::reader::{GgmlType, GgufFile, MetaValue, TensorInfo};
-use crate::model::config::{Architecture, ModelConfig, RopeScaling};
+use crate::model::config::{Architecture, ModelConfig, RopeScaling, MAX_VOCAB_SIZE};
 use crate::model::weights::WeightSource;
 use crate::quant::{DType, DenseMatrix, GgmlFormat, GgmlMatrix, QuantMatrix};
 use crate::{Error, Result};
@@ -312,6 +312,14 @@ impl GgufStore {
 
     /// A Hugging Face `tokenizers` tokenizer built from the file's `tokenizer.ggml.*` metadata.
     pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer> {
+        let key = "tokenizer.ggml.tokens";
+        let count = self.file.get(key).and_then(MetaValue::as_array).map_or(0, |a| a.len());
+        if count > MAX_VOCAB_SIZE {
+            return Err(Error::bad_file(
+                self.file.path(),
+                format!("{key} holds {count} tokens, more than the limit of {MAX_VOCAB_SIZE}"),
+            ));
+        }
         super::tokenizer::build(&self.file)
     }
 
@@ -324,7 +332,7 @@ impl GgufStore {
         let num_layers = self.required("block_count")?;
         let (num_heads, num_kv_heads) = self.heads()?;
         let head_dim = match self.uniform_count("attention.key_length")? {
-            Some(d) => d as usize,
+            Some(d) => saturating_usize(d),
             None => hidden_size / num_heads,
         };
         if head_dim == 0 || head_dim % 2 != 0 {
@@ -346,19 +354,22 @@ impl GgufStore {
                 )));
             }
         }
-        let max_position_embeddings = self.file.get_u64(&self.key("context_length"))?.unwrap_or(4096) as usize;
+        let max_position_embeddings = self.file.get_u64(&self.key("context_length"))?.map_or(4096, saturating_usize);
         let rms_norm_eps = self.file.get_f64(&self.key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6) as f32;
         let rope_theta = self.file.get_f64(&self.key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
         let rope_scaling = self.rope_scaling(rope_theta, head_dim)?;
 
         let embd = self.entry("model.embed_tokens.weight")?;
-        if embd.dims.len() != 2 || embd.dims[0] != hidden_size as u64 {
-            return Err(Error::bad_tensor(
+        let embd_shape_error = || {
+            Error::bad_tensor(
                 "model.embed_tokens.weight",
                 format!("shape {:?} in {}, expected [vocab, {hidden_size}]", embd.shape(), path.display()),
-            ));
-        }
-        let vocab_size = embd.dims[1] as usize;
+            )
+        };
+        let vocab_size = match embd.dims[..] {
+            [_, vocab] => saturating_usize(vocab),
+            _ => return Err(embd_shape_error()),
+        };
 
         let id = |key: &str| -> Result<Option<u32>> {
             match self.file.get_u64(key)? {
@@ -375,7 +386,7 @@ impl GgufStore {
             }
         }
 
-        Ok(ModelConfig {
+        let config = ModelConfig {
             arch: self.arch,
             vocab_size,
             hidden_size,
@@ -394,7 +405,16 @@ impl GgufStore {
             qk_norm: self.arch == Architecture::Qwen3,
             bos_token_id: id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
-        })
+        };
+        config.validate_gguf().map_err(|e| match e {
+            Error::InvalidArgument(reason) => bad(reason),
+            other => other,
+        })?;
+        // After the limits, so an absurd embedding_length is reported as such, not as a shape.
+        if embd.dims[0] != hidden_size as u64 {
+            return Err(embd_shape_error());
+        }
+        Ok(config)
     }
 
     /// `{arch}.rope.scaling.*`, or Llama 3 scaling recognised from a `rope_freqs.weight` tensor.
@@ -430,6 +450,12 @@ impl GgufStore {
             ))
         })
     }
+}
+
+/// A count from the file as usize; one too large for this platform saturates, so the config limits
+/// refuse it rather than a truncated value passing them.
+fn saturating_usize(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
 }
 
 /// Recognises the per-frequency divisors llama.cpp's converter writes for Llama 3 rope scaling and

@@ -6,6 +6,20 @@ use serde_json::Value;
 
 use crate::{Error, Result};
 
+// Upper bounds on the sizes a config may declare. Some buffers are sized from these numbers before
+// any weight backs them (the layer table, rotary tables, activation rows), and a failed allocation
+// aborts the whole host process where no error handling can catch it, so a corrupt or hostile
+// config.json or GGUF is refused here instead. Each bound is several times the largest released
+// dense model (Llama 3.1 405B: 126 layers, hidden 16384, ffn 53248, 128 heads; Gemma 3: 262144
+// tokens; head_dim 256; Llama 4 Scout: 10M positions).
+pub const MAX_LAYERS: usize = 1024;
+pub const MAX_HIDDEN_SIZE: usize = 1 << 16;
+pub const MAX_INTERMEDIATE_SIZE: usize = 1 << 20;
+pub const MAX_HEADS: usize = 1024;
+pub const MAX_HEAD_DIM: usize = 1024;
+pub const MAX_VOCAB_SIZE: usize = 1 << 22;
+pub const MAX_POSITIONS: usize = 1 << 24;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
@@ -120,7 +134,7 @@ impl ModelConfig {
         let eos_token_ids = token_ids(json.get("eos_token_id"), "eos_token_id")?;
         let bos_token_id = token_ids(json.get("bos_token_id"), "bos_token_id")?.first().copied();
 
-        Ok(ModelConfig {
+        let config = ModelConfig {
             arch,
             vocab_size: req_usize(json, "vocab_size")?,
             hidden_size,
@@ -139,7 +153,58 @@ impl ModelConfig {
             qk_norm: arch == Architecture::Qwen3,
             bos_token_id,
             eos_token_ids,
-        })
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every size against the limits above, naming it by its config.json key.
+    pub fn validate(&self) -> Result<()> {
+        self.check_sizes(|s| s.json.to_string())
+    }
+
+    /// [`Self::validate`], naming each size by its GGUF metadata key.
+    pub fn validate_gguf(&self) -> Result<()> {
+        self.check_sizes(|s| format!("{}.{}", self.arch.name(), s.gguf))
+    }
+
+    fn check_sizes(&self, name: impl Fn(&Size) -> String) -> Result<()> {
+        let size = |json, gguf, value, max| Size { json, gguf, value, max };
+        let sizes = [
+            size("num_hidden_layers", "block_count", self.num_layers, MAX_LAYERS),
+            size("hidden_size", "embedding_length", self.hidden_size, MAX_HIDDEN_SIZE),
+            size("intermediate_size", "feed_forward_length", self.intermediate_size, MAX_INTERMEDIATE_SIZE),
+            size("num_attention_heads", "attention.head_count", self.num_heads, MAX_HEADS),
+            size("num_key_value_heads", "attention.head_count_kv", self.num_kv_heads, MAX_HEADS),
+            size("head_dim", "attention.key_length", self.head_dim, MAX_HEAD_DIM),
+            size("vocab_size", "vocab_size", self.vocab_size, MAX_VOCAB_SIZE),
+            size("max_position_embeddings", "context_length", self.max_position_embeddings, MAX_POSITIONS),
+        ];
+        for s in &sizes {
+            if s.value == 0 || s.value > s.max {
+                return Err(Error::InvalidArgument(format!(
+                    "{} = {} is outside the supported range 1..={}",
+                    name(s),
+                    s.value,
+                    s.max
+                )));
+            }
+        }
+        // Within the limits these cannot overflow a 64-bit usize, but they size whole matrices
+        // and activation rows, so a narrower target must refuse rather than wrap.
+        let [_, hidden, ffn, heads, kv_heads, head_dim, vocab, _] = &sizes;
+        for (a, b) in [(vocab, hidden), (heads, head_dim), (kv_heads, head_dim), (ffn, hidden)] {
+            if a.value.checked_mul(b.value).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "{} × {} = {} × {} overflows this platform's address space",
+                    name(a),
+                    name(b),
+                    a.value,
+                    b.value
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub fn q_width(&self) -> usize {
@@ -149,6 +214,15 @@ impl ModelConfig {
     pub fn kv_width(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+}
+
+/// One size a config declares: its config.json key, its GGUF key (after `{arch}.`), its value and
+/// its limit.
+struct Size {
+    json: &'static str,
+    gguf: &'static str,
+    value: usize,
+    max: usize,
 }
 
 fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
@@ -180,7 +254,11 @@ fn bad_key(key: &str, expected: &str) -> Error {
 fn opt_usize(json: &Value, key: &str) -> Result<Option<usize>> {
     match json.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| bad_key(key, "a non-negative integer")),
+        // Saturating, so a value too large for this platform still meets the limits in validate.
+        Some(v) => v
+            .as_u64()
+            .map(|x| Some(usize::try_from(x).unwrap_or(usize::MAX)))
+            .ok_or_else(|| bad_key(key, "a non-negative integer")),
     }
 }
 
@@ -252,5 +330,57 @@ mod tests {
         let mut j = qwen3();
         j["num_key_value_heads"] = json!(3);
         assert!(ModelConfig::from_json(&j).is_err());
+    }
+
+    #[test]
+    fn every_size_is_limited_and_the_error_names_key_and_limit() {
+        let limits = [
+            ("num_hidden_layers", MAX_LAYERS),
+            ("hidden_size", MAX_HIDDEN_SIZE),
+            ("intermediate_size", MAX_INTERMEDIATE_SIZE),
+            ("num_attention_heads", MAX_HEADS),
+            ("head_dim", MAX_HEAD_DIM),
+            ("vocab_size", MAX_VOCAB_SIZE),
+            ("max_position_embeddings", MAX_POSITIONS),
+        ];
+        for (key, max) in limits {
+            let mut j = qwen3();
+            j[key] = json!(max);
+            assert!(ModelConfig::from_json(&j).is_ok(), "{key} = {max} is within the limit");
+            // Two above, so head_dim stays even and the head count a multiple of the KV heads.
+            j[key] = json!(max + 2);
+            let err = ModelConfig::from_json(&j).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(&max.to_string()), "{key}: {err}");
+        }
+        let mut j = qwen3();
+        j["num_hidden_layers"] = json!(1_000_000_000_000u64);
+        let err = ModelConfig::from_json(&j).unwrap_err().to_string();
+        assert!(err.contains("num_hidden_layers = 1000000000000") && err.contains("1..=1024"), "{err}");
+        j["num_hidden_layers"] = json!(u64::MAX);
+        assert!(ModelConfig::from_json(&j).is_err());
+    }
+
+    #[test]
+    fn zero_positions_and_hand_built_kv_heads_are_refused() {
+        let mut j = qwen3();
+        j["max_position_embeddings"] = json!(0);
+        let err = ModelConfig::from_json(&j).unwrap_err().to_string();
+        assert!(err.contains("max_position_embeddings = 0"), "{err}");
+        // A config built in code skips from_json's head checks; validate still bounds the KV width.
+        let mut c = ModelConfig::from_json(&qwen3()).unwrap();
+        c.num_kv_heads = MAX_HEADS + 1;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("num_key_value_heads") && err.contains(&MAX_HEADS.to_string()), "{err}");
+    }
+
+    #[test]
+    fn gguf_validation_names_gguf_keys() {
+        let mut c = ModelConfig::from_json(&qwen3()).unwrap();
+        c.num_layers = 1 << 40;
+        let err = c.validate_gguf().unwrap_err().to_string();
+        assert!(err.contains("qwen3.block_count") && err.contains("1..=1024"), "{err}");
+        c.num_layers = 2;
+        c.max_position_embeddings = MAX_POSITIONS + 1;
+        assert!(c.validate_gguf().unwrap_err().to_string().contains("qwen3.context_length"));
     }
 }

@@ -94,7 +94,20 @@ impl<B: Backend> Qwen3<B> {
         backend: &B,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
+        // Configs may be built in code, not only parsed, and everything below is sized from them.
+        config.validate()?;
         let c = &config;
+        // More layers than the weights hold is refused before anything is loaded. Fewer are
+        // accepted, as transformers does: running a prefix of a checkpoint's layers is a legitimate
+        // experiment, and a source that makes its weights (synthetic) holds any layer asked for.
+        let marker = |i: usize| format!("model.layers.{i}.input_layernorm.weight");
+        let present = (0..c.num_layers).take_while(|&i| source.contains(&marker(i))).count();
+        if present < c.num_layers {
+            return Err(crate::Error::bad_tensor(
+                marker(present),
+                format!("missing: the config declares {} layers but the weights have {present}", c.num_layers),
+            ));
+        }
         let (h, q, kv, ffn) = (c.hidden_size, c.q_width(), c.kv_width(), c.intermediate_size);
         let done = LoadProgress { tensors_done: 0, tensors_total: source.tensor_count(), bytes_done: 0 };
         let mut ld = Loader { backend, source, progress, done };

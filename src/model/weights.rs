@@ -9,6 +9,8 @@ pub trait WeightSource {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>>;
     /// A 1-D tensor of `len` elements as f32 (norm weights, biases).
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    /// Whether `name` can be loaded. Models also count a checkpoint's decoder layers with it
+    /// (`model.layers.N.input_layernorm.weight`) before sizing anything by the config.
     fn contains(&self, name: &str) -> bool;
     /// How many tensors the source holds, for progress reports.
     fn tensor_count(&self) -> usize;
