@@ -1,21 +1,29 @@
 //! NVIDIA through cudarc's driver and NVRTC bindings, both loaded at run time (no CUDA needed to
 //! build or to run on the CPU). Kernels are compiled by NVRTC for the GPU present and cached on
-//! disk as CUBIN, keyed by source hash and architecture.
+//! disk as CUBIN, keyed by source hash, architecture and driver and NVRTC versions.
+//!
+//! Atlas runs inside a host process that may use CUDA itself, on the same threads: every call
+//! makes Atlas's context current only for its duration and puts the caller's back.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, store_in_cache, Arg, Runtime};
+use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_from_cache, store_in_cache, Arg, Runtime};
 use crate::{Error, Result};
 
 pub struct CudaRuntime {
-    ctx: Arc<CudaContext>,
+    /// Released in Drop, where the caller's context must be put back after cudarc binds this one
+    /// to release it.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
+    /// Null until made: `new` fills the runtime in step by step, so that Drop releases whatever
+    /// was made when a later step fails.
     stream: sys::CUstream,
-    _module: sys::CUmodule,
+    module: sys::CUmodule,
     functions: HashMap<String, sys::CUfunction>,
     /// Programmatic dependent launch (sm_90+): `launch_early` lets a kernel start before the
     /// previous one ends.
@@ -25,7 +33,7 @@ pub struct CudaRuntime {
 }
 
 // SAFETY: the stream, module and function handles belong to `ctx`, which is made current on the
-// calling thread before every use; the engine serialises all calls on one model.
+// calling thread for every use; the engine serialises all calls on one model.
 unsafe impl Send for CudaRuntime {}
 unsafe impl Sync for CudaRuntime {}
 
@@ -45,20 +53,53 @@ pub fn available() -> bool {
     unsafe { sys::is_culib_present() && nvrtc_sys::is_culib_present() }
 }
 
+/// The calling thread's current context (or none), made current again when dropped.
+struct HostContext(sys::CUcontext);
+
+impl HostContext {
+    fn save() -> Result<Self> {
+        let current = cu::ctx::get_current().map_err(|e| dev_err("current context", e))?;
+        Ok(HostContext(current.unwrap_or(std::ptr::null_mut())))
+    }
+}
+
+impl Drop for HostContext {
+    fn drop(&mut self) {
+        // SAFETY: the context was current when saved (null unbinds), and Atlas never destroys a
+        // context it did not make.
+        let _ = unsafe { cu::ctx::set_current(self.0) };
+    }
+}
+
 impl CudaRuntime {
     pub fn new(ordinal: usize) -> Result<Self> {
         if !available() {
             return Err(Error::Device("no CUDA driver (libcuda) or NVRTC (libnvrtc) found".into()));
         }
+        // The current context can only be read from an initialised driver.
+        cu::init().map_err(|e| dev_err("init", e))?;
+        // Dropped last: the context is made current below, also on the error paths.
+        let _host = HostContext::save()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("context", e))?;
-        let (major, minor) = ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
+        let mut rt = CudaRuntime {
+            ctx: ManuallyDrop::new(ctx),
+            stream: std::ptr::null_mut(),
+            module: std::ptr::null_mut(),
+            functions: HashMap::new(),
+            early_launch: false,
+            max_shared_bytes: 0,
+            description: String::new(),
+        };
+        let device = rt.ctx.cu_device();
+        let (major, minor) = rt.ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
         let arch = format!("sm_{major}{minor}");
-        let name = cu::device::get_name(ctx.cu_device()).unwrap_or_else(|_| "CUDA device".into());
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| dev_err("stream", e))?;
-        // Keep freed blocks in the stream-ordered pool: per-op temporaries then cost no driver call.
+        let name = cu::device::get_name(device).unwrap_or_else(|_| "CUDA device".into());
+        rt.stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| dev_err("stream", e))?;
+        // Keep freed blocks in the stream-ordered pool: per-op temporaries then cost no driver
+        // call. Drop trims the pool, so that unloading gives the memory back.
         // SAFETY: the device handle is valid; the attribute takes a u64.
         unsafe {
-            let pool = cu::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| dev_err("memory pool", e))?;
+            let pool = cu::device::get_default_mem_pool(device).map_err(|e| dev_err("memory pool", e))?;
             let mut threshold = u64::MAX;
             sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast())
                 .result()
@@ -66,19 +107,18 @@ impl CudaRuntime {
         }
         let (cubin, cache_state) = compiled_kernels(&arch)?;
         // SAFETY: `cubin` is a complete CUBIN image that outlives the call.
-        let module = unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err("module load", e))?;
+        rt.module = unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err("module load", e))?;
         // SAFETY: the device handle is valid.
         let max_shared = unsafe {
-            cu::device::get_attribute(ctx.cu_device(), sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            cu::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         }
         .map_err(|e| dev_err("shared memory size", e))?;
-        let mut functions = HashMap::new();
         for name in KERNELS {
             let cname = CString::new(name).map_err(|e| dev_err("kernel name", e))?;
             // SAFETY: the module is loaded and the name is NUL-terminated; the attributes are plain
             // integers. Beyond 48 KB, dynamic shared memory must be allowed per function.
             let f = unsafe {
-                let f = cu::module::get_function(module, cname).map_err(|e| dev_err(name, e))?;
+                let f = cu::module::get_function(rt.module, cname).map_err(|e| dev_err(name, e))?;
                 let fixed = cu::function::get_function_attribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
                     .map_err(|e| dev_err(name, e))?;
                 cu::function::set_function_attribute(
@@ -89,33 +129,45 @@ impl CudaRuntime {
                 .map_err(|e| dev_err(name, e))?;
                 f
             };
-            functions.insert(name.to_string(), f);
+            rt.functions.insert(name.to_string(), f);
         }
-        let description = format!("cuda {name} ({arch}, kernels {cache_state})");
-        Ok(CudaRuntime {
-            ctx,
-            stream,
-            _module: module,
-            functions,
-            description,
-            early_launch: major >= 9,
-            max_shared_bytes: max_shared as u32,
-        })
+        rt.description = format!("cuda {name} ({arch}, kernels {cache_state})");
+        rt.early_launch = major >= 9;
+        rt.max_shared_bytes = max_shared as u32;
+        Ok(rt)
     }
 
-    fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))
+    /// Makes Atlas's context current until the returned guard drops.
+    fn bind(&self) -> Result<HostContext> {
+        let host = HostContext::save()?;
+        if host.0 != self.ctx.cu_ctx() {
+            // SAFETY: the context lives as long as `self`.
+            unsafe { cu::ctx::set_current(self.ctx.cu_ctx()) }.map_err(|e| dev_err("bind context", e))?;
+        }
+        Ok(host)
     }
+}
+
+/// The driver's and NVRTC's versions: either may change the code compiled, or what loads.
+fn toolchain_versions() -> Result<String> {
+    let (mut driver, mut major, mut minor) = (0, 0, 0);
+    // SAFETY: plain out-parameters.
+    unsafe {
+        sys::cuDriverGetVersion(&mut driver).result().map_err(|e| dev_err("driver version", e))?;
+        nvrtc_sys::nvrtcVersion(&mut major, &mut minor).result().map_err(|e| dev_err("NVRTC version", e))?;
+    }
+    Ok(format!("driver {driver}, nvrtc {major}.{minor}"))
 }
 
 /// NVRTC output for `arch`, from the disk cache when the same source was compiled before.
 fn compiled_kernels(arch: &str) -> Result<(Vec<u8>, &'static str)> {
     let source = kernel_source();
     let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
-    let key = fnv1a(&[source.as_bytes(), arch.as_bytes(), options.join(" ").as_bytes()]);
+    let versions = toolchain_versions()?;
+    let key = fnv1a(&[source.as_bytes(), arch.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
     let path = kernel_cache_dir().join(format!("{key:016x}-{arch}.cubin"));
-    if let Ok(bytes) = std::fs::read(&path) {
-        return Ok((bytes, "cached"));
+    if let Some(cubin) = load_from_cache(&path) {
+        return Ok((cubin, "cached"));
     }
     let src = CString::new(source).map_err(|e| dev_err("kernel source", e))?;
     let prog = nvrtc::create_program(&src, None).map_err(|e| dev_err("nvrtc program", e))?;
@@ -151,20 +203,20 @@ impl Runtime for CudaRuntime {
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the stream belongs to the current context.
         unsafe { cu::malloc_async(self.stream, bytes.max(1)) }.map_err(|e| dev_err(&format!("alloc {bytes} bytes"), e))
     }
 
     fn free(&self, ptr: u64) {
-        if self.bind().is_ok() {
+        if let Ok(_bound) = self.bind() {
             // SAFETY: `ptr` came from alloc and is freed once, after queued work.
             let _ = unsafe { cu::free_async(ptr, self.stream) };
         }
     }
 
     fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: dst holds at least src.len() bytes; we wait before `src` can be dropped.
         unsafe {
             cu::memcpy_htod_async(dst, src, self.stream).map_err(|e| dev_err("upload", e))?;
@@ -173,7 +225,7 @@ impl Runtime for CudaRuntime {
     }
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: src holds at least dst.len() bytes.
         unsafe {
             cu::memcpy_dtoh_async(dst, src, self.stream).map_err(|e| dev_err("download", e))?;
@@ -182,13 +234,13 @@ impl Runtime for CudaRuntime {
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: both ranges are device allocations of at least `bytes`.
         unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream) }.map_err(|e| dev_err("copy", e))
     }
 
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
         let mut slots = arg_slots(args);
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
@@ -203,7 +255,7 @@ impl Runtime for CudaRuntime {
         if !self.early_launch {
             return self.launch(kernel, grid, block, shared_bytes, args);
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
         let mut slots = arg_slots(args);
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
@@ -230,20 +282,20 @@ impl Runtime for CudaRuntime {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the stream is live.
         unsafe { cu::stream::synchronize(self.stream) }.map_err(|e| dev_err("synchronize", e))
     }
 
     fn begin_capture(&self) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the stream is live and not capturing.
         unsafe { cu::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
             .map_err(|e| dev_err("begin capture", e))
     }
 
     fn end_capture(&self) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the stream is capturing; the graph is destroyed once instantiated.
         unsafe {
             let graph = cu::stream::end_capture(self.stream).map_err(|e| dev_err("end capture", e))?;
@@ -254,15 +306,44 @@ impl Runtime for CudaRuntime {
     }
 
     fn launch_graph(&self, graph: u64) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: `graph` came from end_capture and was not destroyed.
         unsafe { cu::graph::launch(graph as sys::CUgraphExec, self.stream) }.map_err(|e| dev_err("graph launch", e))
     }
 
     fn destroy_graph(&self, graph: u64) {
-        if self.bind().is_ok() {
+        if let Ok(_bound) = self.bind() {
             // SAFETY: as above; destroyed once.
             let _ = unsafe { cu::graph::exec_destroy(graph as sys::CUgraphExec) };
         }
+    }
+}
+
+impl Drop for CudaRuntime {
+    fn drop(&mut self) {
+        // Held to the end: releasing the context binds it again.
+        let bound = self.bind();
+        if bound.is_ok() {
+            // SAFETY: no buffer outlives the runtime (each holds an Arc to it), so the pool's
+            // blocks are all free once the stream is done; the handles were made in new() (or are
+            // null) and are released once.
+            unsafe {
+                if !self.stream.is_null() {
+                    let _ = cu::stream::synchronize(self.stream);
+                }
+                if !self.module.is_null() {
+                    let _ = cu::module::unload(self.module);
+                }
+                if !self.stream.is_null() {
+                    let _ = cu::stream::destroy(self.stream);
+                }
+                if let Ok(pool) = cu::device::get_default_mem_pool(self.ctx.cu_device()) {
+                    let _ = cu::mem_pool::trim_to(pool, 0);
+                }
+            }
+        }
+        // SAFETY: dropped once, here; nothing uses the context after.
+        unsafe { ManuallyDrop::drop(&mut self.ctx) };
+        drop(bound);
     }
 }

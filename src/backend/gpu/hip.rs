@@ -3,14 +3,17 @@
 //! compiled by hipRTC for the GPU present and cached on disk as code objects, keyed by source
 //! hash, architecture, options and HIP version.
 //!
-//! Libraries, first found wins (each name through the system search, then in `$ROCM_PATH/lib`,
-//! `$HIP_PATH/lib`, `/opt/rocm/lib`; on Windows PATH, then `%HIP_PATH%\bin`):
+//! Libraries, first found wins (each name through the system search, then by full path in
+//! `$ROCM_PATH/lib`, `$HIP_PATH/lib`, `/opt/rocm/lib`; on Windows the system search is the
+//! application's directory and System32, where the AMD driver installs the HIP runtime, then
+//! `%ROCM_PATH%\bin` and `%HIP_PATH%\bin`: never the current directory or PATH, where anyone may
+//! have put a DLL of the same name):
 //! - HIP: `libamdhip64.so.7`, `.so.6`, `.so.5`, `libamdhip64.so`; Windows `amdhip64_7.dll`,
 //!   `amdhip64_6.dll`, `amdhip64.dll`.
 //! - hipRTC, matched to the HIP runtime's version (a newer hipRTC may emit code objects an older
-//!   runtime cannot load): `libhiprtc.so.<major>`, then `libhiprtc.so`, then the hipRTC entry points
-//!   of libamdhip64 itself (ROCm 5 shipped hipRTC inside it); Windows `hiprtc<MMmm>.dll` for the
-//!   runtime's version, then other 5.x-7.x names.
+//!   runtime cannot load), first in the directory the runtime came from: `libhiprtc.so.<major>`,
+//!   then `libhiprtc.so`, then the hipRTC entry points of libamdhip64 itself (ROCm 5 shipped hipRTC
+//!   inside it); Windows `hiprtc<MMmm>.dll` for the runtime's version, then other 5.x-7.x names.
 //!
 //! Architecture: hipRTC needs the gfx target, and only `hipDeviceProp_t::gcnArchName` carries it
 //! (no hipDeviceGetAttribute value gives it, hipDeviceGetName gives the marketing name). The
@@ -23,9 +26,10 @@
 //! `--offload-arch`, as hipRTC does. `ATLAS_HIP_ARCH` overrides the detection.
 //!
 //! Memory: stream-ordered `hipMallocAsync`/`hipFreeAsync` on the default pool (release threshold
-//! raised so freed blocks stay pooled) when the runtime exports them and the device reports pool
-//! support; otherwise (or with `ATLAS_HIP_MALLOC_ASYNC=0`) `hipMalloc` behind an exact-size block
-//! cache, which is stream-ordered too because all work runs on the one in-order stream.
+//! raised so freed blocks stay pooled; trimmed when the runtime is dropped) when the runtime
+//! exports them and the device reports pool support; otherwise (or with `ATLAS_HIP_MALLOC_ASYNC=0`)
+//! `hipMalloc` behind an exact-size block cache, which is stream-ordered too because all work runs
+//! on the one in-order stream.
 //! Graph capture (hipStreamBeginCapture ...) is opt-in with `ATLAS_HIP_GRAPHS=1` while it is
 //! unverified on AMD hardware; without it the backend launches kernels one by one.
 
@@ -37,7 +41,7 @@ use std::sync::{Mutex, OnceLock};
 use libloading::Library;
 
 use super::cuda::KERNELS;
-use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, store_in_cache, Arg, Runtime};
+use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_from_cache, store_in_cache, Arg, Runtime};
 use crate::{Error, Result};
 
 type Status = c_int; // hipError_t
@@ -76,6 +80,7 @@ struct Hip {
     runtime_get_version: unsafe extern "C" fn(*mut c_int) -> Status,
     get_device_count: unsafe extern "C" fn(*mut c_int) -> Status,
     set_device: unsafe extern "C" fn(c_int) -> Status,
+    get_device: unsafe extern "C" fn(*mut c_int) -> Status,
     device_get: unsafe extern "C" fn(*mut c_int, c_int) -> Status,
     device_get_name: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> Status,
     device_get_attribute: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> Status,
@@ -92,6 +97,7 @@ struct Hip {
     free_async: Option<unsafe extern "C" fn(*mut c_void, Stream) -> Status>,
     device_get_default_mem_pool: Option<unsafe extern "C" fn(*mut MemPool, c_int) -> Status>,
     mem_pool_set_attribute: Option<unsafe extern "C" fn(MemPool, c_int, *mut c_void) -> Status>,
+    mem_pool_trim_to: Option<unsafe extern "C" fn(MemPool, usize) -> Status>,
     memcpy_htod_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
     memcpy_dtod_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
@@ -204,17 +210,28 @@ fn library_dirs(windows: bool) -> Vec<PathBuf> {
     dirs
 }
 
+/// Where to look for a library, in order: `first` (a directory that decides, such as the HIP
+/// runtime's for hipRTC), the system search (None), then `dirs`. Relative folders are left out:
+/// they would be looked up from the current directory.
+fn search_places(first: Option<&Path>, dirs: &[PathBuf]) -> Vec<Option<PathBuf>> {
+    let first = first.filter(|d| d.is_absolute()).map(|d| Some(d.to_path_buf()));
+    let dirs = dirs.iter().filter(|d| d.is_absolute()).map(|d| Some(d.clone()));
+    first.into_iter().chain([None]).chain(dirs).collect()
+}
+
+/// Windows' default search for a bare name also tries the current directory and PATH: bare names
+/// are looked up in the application's directory and System32 only.
 #[cfg(windows)]
 fn open_library(path: &Path) -> std::result::Result<Library, libloading::Error> {
     use libloading::os::windows::{Library as WinLibrary, LOAD_LIBRARY_SEARCH_DEFAULT_DIRS, LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR};
-    if path.is_absolute() {
-        // Let the DLL find its own dependencies (hiprtc-builtins, amd_comgr) next to it.
-        // SAFETY: loading the vendor library runs its initialisers, as any use of HIP does.
-        let flags = LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR | LOAD_LIBRARY_SEARCH_DEFAULT_DIRS;
-        return unsafe { WinLibrary::load_with_flags(path, flags) }.map(Library::from);
-    }
-    // SAFETY: as above.
-    unsafe { Library::new(path) }
+    // A full path's DLL finds its own dependencies (hiprtc-builtins, amd_comgr) next to it.
+    let flags = if path.is_absolute() {
+        LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR | LOAD_LIBRARY_SEARCH_DEFAULT_DIRS
+    } else {
+        LOAD_LIBRARY_SEARCH_DEFAULT_DIRS
+    };
+    // SAFETY: loading the vendor library runs its initialisers, as any use of HIP does.
+    unsafe { WinLibrary::load_with_flags(path, flags) }.map(Library::from)
 }
 
 #[cfg(not(windows))]
@@ -223,13 +240,12 @@ fn open_library(path: &Path) -> std::result::Result<Library, libloading::Error> 
     unsafe { Library::new(path) }
 }
 
-/// The first of `names` that opens, searched by bare name first, then in `dirs`.
-fn open_first(names: &[String], dirs: &[PathBuf], tried: &mut Vec<String>) -> Option<(Library, PathBuf)> {
+/// The first of `names` that opens, each looked for in `places` (see `search_places`).
+fn open_first(names: &[String], places: &[Option<PathBuf>], tried: &mut Vec<String>) -> Option<(Library, PathBuf)> {
     for name in names {
-        let mut candidates = vec![PathBuf::from(name)];
-        candidates.extend(dirs.iter().map(|d| d.join(name)));
         let mut reason = None;
-        for path in candidates {
+        for place in places {
+            let path = place.as_ref().map_or_else(|| PathBuf::from(name), |dir| dir.join(name));
             if path.is_absolute() && !path.exists() {
                 continue;
             }
@@ -265,7 +281,7 @@ fn load_api() -> std::result::Result<Api, String> {
     let windows = cfg!(windows);
     let dirs = library_dirs(windows);
     let mut tried = Vec::new();
-    let Some((hip_lib, hip_path)) = open_first(&hip_library_names(windows), &dirs, &mut tried) else {
+    let Some((hip_lib, hip_path)) = open_first(&hip_library_names(windows), &search_places(None, &dirs), &mut tried) else {
         return Err(format!("no HIP runtime found (ROCm not installed?); tried {}", tried.join(", ")));
     };
     // SAFETY: the signatures in load_hip are those of hip_runtime_api.h (ROCm 5.2 to 7.x).
@@ -276,13 +292,13 @@ fn load_api() -> std::result::Result<Api, String> {
     unsafe { (hip.runtime_get_version)(&mut version) };
     let (major, minor) = (version / 10_000_000, version / 100_000 % 100);
 
-    // hipRTC next to the runtime first, then anywhere, then inside libamdhip64 (ROCm 5).
-    let mut rtc_dirs: Vec<PathBuf> = hip_path.parent().filter(|p| p.is_absolute()).map(Path::to_path_buf).into_iter().collect();
-    rtc_dirs.extend(dirs);
+    // hipRTC next to the runtime first, then where the runtime was looked for, then inside
+    // libamdhip64 (ROCm 5).
+    let rtc_places = search_places(hip_path.parent(), &dirs);
     let mut rtc_tried = Vec::new();
     let rtc_names = rtc_library_names(windows, major, minor);
     let mut libraries = Vec::new();
-    let (rtc, rtc_library) = match open_first(&rtc_names, &rtc_dirs, &mut rtc_tried) {
+    let (rtc, rtc_library) = match open_first(&rtc_names, &rtc_places, &mut rtc_tried) {
         Some((lib, path)) => {
             // SAFETY: the signatures of hiprtc.h.
             let rtc = unsafe { load_rtc(&lib) }.map_err(|e| format!("{} lacks a hipRTC entry point: {e}", path.display()))?;
@@ -311,6 +327,7 @@ unsafe fn load_hip(lib: &Library) -> std::result::Result<Hip, String> {
         runtime_get_version: sym(lib, "hipRuntimeGetVersion")?,
         get_device_count: sym(lib, "hipGetDeviceCount")?,
         set_device: sym(lib, "hipSetDevice")?,
+        get_device: sym(lib, "hipGetDevice")?,
         device_get: sym(lib, "hipDeviceGet")?,
         device_get_name: sym(lib, "hipDeviceGetName")?,
         device_get_attribute: sym(lib, "hipDeviceGetAttribute")?,
@@ -327,6 +344,7 @@ unsafe fn load_hip(lib: &Library) -> std::result::Result<Hip, String> {
         free_async: opt_sym(lib, "hipFreeAsync"),
         device_get_default_mem_pool: opt_sym(lib, "hipDeviceGetDefaultMemPool"),
         mem_pool_set_attribute: opt_sym(lib, "hipMemPoolSetAttribute"),
+        mem_pool_trim_to: opt_sym(lib, "hipMemPoolTrimTo"),
         memcpy_htod_async: sym(lib, "hipMemcpyHtoDAsync")?,
         memcpy_dtoh_async: sym(lib, "hipMemcpyDtoHAsync")?,
         memcpy_dtod_async: sym(lib, "hipMemcpyDtoDAsync")?,
@@ -461,6 +479,29 @@ pub struct HipRuntime {
 unsafe impl Send for HipRuntime {}
 unsafe impl Sync for HipRuntime {}
 
+/// The calling thread's current device, made current again when dropped: HIP keeps the device per
+/// thread, and the host may use HIP itself on the same threads.
+struct HostDevice {
+    api: &'static Api,
+    device: c_int,
+}
+
+impl HostDevice {
+    fn save(api: &'static Api) -> Result<Self> {
+        let mut device = 0;
+        // SAFETY: an out-parameter.
+        api.check("current device", unsafe { (api.hip.get_device)(&mut device) })?;
+        Ok(HostDevice { api, device })
+    }
+}
+
+impl Drop for HostDevice {
+    fn drop(&mut self) {
+        // SAFETY: the device was current when saved, so it is a valid ordinal.
+        unsafe { (self.api.hip.set_device)(self.device) };
+    }
+}
+
 fn env_flag(name: &str) -> Option<bool> {
     std::env::var(name).ok().map(|v| !matches!(v.trim(), "" | "0" | "false" | "off" | "no"))
 }
@@ -477,6 +518,7 @@ impl HipRuntime {
                 return Err(Error::Device(format!("HIP device {ordinal} requested, {count} present")));
             }
             let device = ordinal as c_int;
+            let _host = HostDevice::save(api)?;
             api.check("set device", (api.hip.set_device)(device))?;
             let mut handle = 0;
             api.check("device handle", (api.hip.device_get)(&mut handle, device))?;
@@ -554,9 +596,14 @@ impl HipRuntime {
         Ok((api.hip_library.clone(), api.rtc_library.clone()))
     }
 
-    fn bind(&self) -> Result<()> {
-        // SAFETY: the ordinal was validated in new().
-        self.api.check("set device", unsafe { (self.api.hip.set_device)(self.device) })
+    /// Makes Atlas's device current until the returned guard drops.
+    fn bind(&self) -> Result<HostDevice> {
+        let host = HostDevice::save(self.api)?;
+        if host.device != self.device {
+            // SAFETY: the ordinal was validated in new().
+            self.api.check("set device", unsafe { (self.api.hip.set_device)(self.device) })?;
+        }
+        Ok(host)
     }
 
     fn sync_stream(&self, what: &str) -> Result<()> {
@@ -595,10 +642,8 @@ fn compiled_kernels(api: &Api, arch: &str) -> Result<(Vec<u8>, &'static str, Pat
     let hip_version = api.version.to_string();
     let key = fnv1a(&[source.as_bytes(), arch.as_bytes(), options.join(" ").as_bytes(), hip_version.as_bytes()]);
     let path = kernel_cache_dir().join(format!("{key:016x}-{}.hsaco", arch_file_name(arch)));
-    if let Ok(bytes) = std::fs::read(&path) {
-        if !bytes.is_empty() {
-            return Ok((bytes, "cached", path));
-        }
+    if let Some(code) = load_from_cache(&path) {
+        return Ok((code, "cached", path));
     }
     let code = compile(api, &source, arch, &options)?;
     store_in_cache(&path, &code);
@@ -668,7 +713,7 @@ impl Runtime for HipRuntime {
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let hip = &self.api.hip;
         let size = bytes.max(1);
         let mut allocator = self.allocator();
@@ -707,9 +752,10 @@ impl Runtime for HipRuntime {
     }
 
     fn free(&self, ptr: u64) {
-        if ptr == 0 || self.bind().is_err() {
+        if ptr == 0 {
             return;
         }
+        let Ok(_bound) = self.bind() else { return };
         let hip = &self.api.hip;
         let mut allocator = self.allocator();
         match &mut *allocator {
@@ -734,7 +780,7 @@ impl Runtime for HipRuntime {
         if src.is_empty() {
             return Ok(());
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: dst holds at least src.len() bytes; we wait before `src` can be dropped.
         let status = unsafe { (self.api.hip.memcpy_htod_async)(dst as *mut c_void, src.as_ptr() as *mut c_void, src.len(), self.stream) };
         self.api.check("upload", status)?;
@@ -745,7 +791,7 @@ impl Runtime for HipRuntime {
         if dst.is_empty() {
             return self.sync_stream("download");
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: src holds at least dst.len() bytes; we wait before returning.
         let status = unsafe { (self.api.hip.memcpy_dtoh_async)(dst.as_mut_ptr().cast(), src as *mut c_void, dst.len(), self.stream) };
         self.api.check("download", status)?;
@@ -756,14 +802,14 @@ impl Runtime for HipRuntime {
         if bytes == 0 {
             return Ok(());
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: both ranges are device allocations of at least `bytes`.
         let status = unsafe { (self.api.hip.memcpy_dtod_async)(dst as *mut c_void, src as *mut c_void, bytes, self.stream) };
         self.api.check("copy", status)
     }
 
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
         let mut slots = arg_slots(args);
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
@@ -788,14 +834,14 @@ impl Runtime for HipRuntime {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         self.sync_stream("synchronize")
     }
 
     fn begin_capture(&self) -> Result<()> {
         let begin = self.api.hip.stream_begin_capture.filter(|_| self.graphs);
         let begin = begin.ok_or_else(|| Error::Unsupported("graph capture on HIP (set ATLAS_HIP_GRAPHS=1 to try it)".into()))?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the stream is live and not capturing.
         self.api.check("begin capture", unsafe { begin(self.stream, CAPTURE_MODE_RELAXED) })
     }
@@ -805,7 +851,7 @@ impl Runtime for HipRuntime {
         let (Some(end), Some(instantiate)) = (hip.stream_end_capture, hip.graph_instantiate) else {
             return Err(Error::Unsupported("graph capture on HIP".into()));
         };
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut graph: Graph = std::ptr::null_mut();
         // SAFETY: the stream is capturing; the graph is destroyed once instantiated.
         unsafe {
@@ -822,14 +868,14 @@ impl Runtime for HipRuntime {
 
     fn launch_graph(&self, graph: u64) -> Result<()> {
         let launch = self.api.hip.graph_launch.ok_or_else(|| Error::Unsupported("graph launch on HIP".into()))?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: `graph` came from end_capture and was not destroyed.
         self.api.check("graph launch", unsafe { launch(graph as GraphExec, self.stream) })
     }
 
     fn destroy_graph(&self, graph: u64) {
         if let Some(destroy) = self.api.hip.graph_exec_destroy {
-            if self.bind().is_ok() {
+            if let Ok(_bound) = self.bind() {
                 // SAFETY: as above; destroyed once.
                 let _ = unsafe { destroy(graph as GraphExec) };
             }
@@ -839,18 +885,28 @@ impl Runtime for HipRuntime {
 
 impl Drop for HipRuntime {
     fn drop(&mut self) {
-        if self.bind().is_err() {
-            return;
-        }
+        let Ok(_bound) = self.bind() else { return };
         let hip = &self.api.hip;
         // SAFETY: no buffer outlives the runtime (each holds an Arc to it); the handles were
         // created in new() and are released once.
         unsafe {
             (hip.stream_synchronize)(self.stream);
-            if let Allocator::Cache { free, .. } = &mut *self.allocator() {
-                for (_, blocks) in free.drain() {
-                    for b in blocks {
-                        (hip.free)(b as *mut c_void);
+            match &mut *self.allocator() {
+                Allocator::Cache { free, .. } => {
+                    for (_, blocks) in free.drain() {
+                        for b in blocks {
+                            (hip.free)(b as *mut c_void);
+                        }
+                    }
+                }
+                // Freed blocks stay pooled while the runtime lives (see new): unloading gives
+                // them back.
+                Allocator::Pool => {
+                    if let (Some(get_pool), Some(trim)) = (hip.device_get_default_mem_pool, hip.mem_pool_trim_to) {
+                        let mut pool: MemPool = std::ptr::null_mut();
+                        if get_pool(&mut pool, self.device) == HIP_SUCCESS {
+                            trim(pool, 0);
+                        }
                     }
                 }
             }
@@ -877,6 +933,17 @@ mod tests {
             assert!(win.contains(&name.to_string()), "{name}");
         }
         assert_eq!(win.iter().filter(|n| *n == "hiprtc0602.dll").count(), 1);
+    }
+
+    #[test]
+    fn libraries_are_looked_for_by_full_path_or_by_the_system_only() {
+        let dirs = [PathBuf::from("/opt/rocm-6.2/lib"), PathBuf::from("rocm/lib"), PathBuf::from("/opt/rocm/lib")];
+        let abs = |d: &str| Some(PathBuf::from(d));
+        assert_eq!(search_places(None, &dirs), [None, abs("/opt/rocm-6.2/lib"), abs("/opt/rocm/lib")]);
+        // hipRTC: the runtime's own directory first, when it was found by full path.
+        let runtime_dir = Path::new("/opt/rocm-6.2/lib");
+        assert_eq!(search_places(Some(runtime_dir), &dirs[2..]), [abs("/opt/rocm-6.2/lib"), None, abs("/opt/rocm/lib")]);
+        assert_eq!(search_places(Path::new("libamdhip64.so.6").parent(), &[]), [None]);
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! launches on one in-order stream. CUDA (cudarc) and HIP (libloading) implement it; everything
 //! above it is vendor-neutral.
 
+use std::path::{Path, PathBuf};
+
 use crate::Result;
 
 /// One kernel argument, passed by value.
@@ -28,15 +30,40 @@ pub fn arg_slots(args: &[Arg]) -> Vec<u64> {
         .collect()
 }
 
-/// Keeps a compiled code object for next time. The cache is an optimisation: a read-only home
-/// directory just means compiling again next time.
-pub fn store_in_cache(path: &std::path::Path, code: &[u8]) {
-    if std::fs::create_dir_all(kernel_cache_dir()).is_ok() {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, code).is_ok() {
-            let _ = std::fs::rename(&tmp, path);
-        }
+/// Bytes after a cached code object: its length and FNV-1a hash, little-endian u64s, so that a
+/// truncated, damaged or foreign file is compiled afresh instead of handed to the driver.
+const CACHE_TRAILER: usize = 16;
+
+/// Keeps a compiled code object for next time, with the trailer `load_from_cache` checks. The
+/// cache is an optimisation: a read-only home directory just means compiling again next time.
+pub fn store_in_cache(path: &Path, code: &[u8]) {
+    if path.parent().is_some_and(|dir| std::fs::create_dir_all(dir).is_err()) {
+        return;
     }
+    let mut file = code.to_vec();
+    file.extend_from_slice(&(code.len() as u64).to_le_bytes());
+    file.extend_from_slice(&fnv1a(&[code]).to_le_bytes());
+    // Written aside and renamed, so that another process never reads a half-written file.
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, &file).is_err() || std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// The code object `store_in_cache` kept at `path`, if the file is whole: an ELF image (CUBIN and
+/// AMD code objects both are) of the length and hash its trailer records.
+pub fn load_from_cache(path: &Path) -> Option<Vec<u8>> {
+    let mut file = std::fs::read(path).ok()?;
+    let len = file.len().checked_sub(CACHE_TRAILER)?;
+    let (code, trailer) = file.split_at(len);
+    let (stored_len, stored_hash) = trailer.split_at(8);
+    let whole = stored_len == (len as u64).to_le_bytes()
+        && stored_hash == fnv1a(&[code]).to_le_bytes()
+        && code.starts_with(b"\x7fELF");
+    whole.then(|| {
+        file.truncate(len);
+        file
+    })
 }
 
 pub trait Runtime: Send + Sync {
@@ -127,6 +154,41 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
 }
 
 /// Where compiled kernels are kept: `$ATLAS_CACHE/kernels` or `~/.cache/atlas/kernels`.
-pub fn kernel_cache_dir() -> std::path::PathBuf {
+pub fn kernel_cache_dir() -> PathBuf {
     crate::engine::default_model_path().parent().map(|p| p.join("kernels")).unwrap_or_else(|| "kernels".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_cache_hands_back_only_whole_code_objects() {
+        let dir = std::env::temp_dir().join(format!("atlas-kernel-cache-{}", std::process::id()));
+        let path = dir.join("kernels.bin");
+        let code: Vec<u8> = b"\x7fELF".iter().copied().chain((0..1000u32).map(|i| (i * 7) as u8)).collect();
+
+        store_in_cache(&path, &code);
+        assert_eq!(load_from_cache(&path).as_deref(), Some(&code[..]));
+        let whole = std::fs::read(&path).unwrap();
+
+        let mut flipped = whole.clone();
+        flipped[100] ^= 1;
+        let damaged: [(&str, &[u8]); 5] = [
+            ("empty", &[]),
+            ("trailer only", &whole[code.len()..]),
+            ("truncated", &whole[..whole.len() - 1]),
+            ("without its trailer", &code),
+            ("with a flipped byte", &flipped),
+        ];
+        for (what, bytes) in damaged {
+            std::fs::write(&path, bytes).unwrap();
+            assert_eq!(load_from_cache(&path), None, "{what}");
+        }
+
+        store_in_cache(&path, b"not an ELF image");
+        assert_eq!(load_from_cache(&path), None, "not ELF");
+        assert_eq!(load_from_cache(&dir.join("missing")), None, "missing");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
