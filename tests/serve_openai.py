@@ -4,21 +4,27 @@ Run by scripts/test_serve.sh, which starts the server on the tiny random fixture
 (tests/fixtures/models/chat_tiny) and sets:
   ATLAS_BASE_URL   the server's API root, e.g. http://127.0.0.1:8080/v1
   ATLAS_SERVER_LOG the server's stderr, to see that a dropped stream cancelled its generation
-  ATLAS_BIN        the atlas binary and ATLAS_MODEL the model, to start a second server with --api-key
+  ATLAS_BIN        the atlas binary and ATLAS_MODEL the model, to start other servers with other flags
 The model answers random text, so the tests check the plumbing: shapes, statuses, that streamed
-and whole answers agree, that requests queue, and that a vanished client cancels generation.
+and whole answers agree, that requests queue in order, that a vanished client cancels generation
+and that a client that stops reading its stream is given up on.
 Prints "N passed, M failed" (", K skipped") last and exits non-zero on any failure.
 """
 
+import contextlib
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import openai
@@ -354,25 +360,188 @@ def dropped_stream_cancels_generation():
 
 
 @test
-def api_key_required():
-    binary, model = os.environ.get("ATLAS_BIN"), os.environ.get("ATLAS_MODEL")
+def model_name_over_256_bytes_is_400():
+    # The name is echoed in every streamed chunk: a long one would multiply the stream's size.
+    for stream in (False, True):
+        try:
+            client.chat.completions.create(model="m" * 257, messages=HELLO, max_tokens=2, stream=stream)
+        except openai.BadRequestError as e:
+            check_error(e, 400, "invalid_request")
+            assert "257 bytes" in e.body["message"], e.body
+        else:
+            raise AssertionError(f"a 257-byte model name was accepted (stream={stream})")
+    r = client.chat.completions.create(model="m" * 256, messages=HELLO, max_tokens=2)
+    assert r.model == "m" * 256
+
+
+def read_response_head(sock):
+    """The status code of the HTTP response on a raw socket (its head only is read)."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        byte = sock.recv(1)
+        assert byte, f"the connection closed after {head!r}"
+        head += byte
+    return int(head.split(b" ", 2)[1])
+
+
+def raw_post(url, body, length=None, sock=None):
+    """Sends POST /v1/chat/completions on a raw socket (a new one unless given) and returns the
+    socket. `length` is the Content-Length to declare (by default the body's), or "chunked" to send
+    the body as the first chunk of a chunked body."""
+    address = urllib.parse.urlsplit(url)
+    if sock is None:
+        sock = socket.socket()
+    sock.settimeout(30)
+    sock.connect((address.hostname, address.port))
+    if length == "chunked":
+        framing, body = b"Transfer-Encoding: chunked", b"%x\r\n%s\r\n" % (len(body), body)
+    else:
+        framing = b"Content-Length: %d" % (len(body) if length is None else length)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: atlas\r\nContent-Type: application/json\r\n%s\r\n\r\n%s"
+        % (framing, body)
+    )
+    return sock
+
+
+@test
+def request_over_the_size_limit_is_413():
+    # The default limit is 8 MiB: a larger body is refused from its Content-Length, unread.
+    with contextlib.closing(raw_post(ROOT_URL, b"{", length=9 << 20)) as sock:
+        assert read_response_head(sock) == 413
+    with other_server("--max-request-bytes", "20000") as (url, _):
+        small = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+        with contextlib.closing(raw_post(url, small)) as sock:
+            assert read_response_head(sock) == 200
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * 20000}], "max_tokens": 2}).encode()
+        with contextlib.closing(raw_post(url, big)) as sock:
+            assert read_response_head(sock) == 413
+        # A chunked body declares no length: it is refused once it passes the limit.
+        with contextlib.closing(raw_post(url, big, length="chunked")) as sock:
+            assert read_response_head(sock) == 413
+
+
+def endless_model(directory):
+    """A copy of the fixture model with a long context whose end-of-sequence token never comes:
+    greedy decoding answers for as long as it is asked to."""
+    model = os.path.join(directory, "endless")
+    shutil.copytree(os.environ["ATLAS_MODEL"], model)
+    for name, eos in (("config.json", 270), ("generation_config.json", [270])):
+        path = os.path.join(model, name)
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        config["eos_token_id"] = eos
+        if name == "config.json":
+            config["max_position_embeddings"] = 65536
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f)
+    return model
+
+
+@test
+def stalled_stream_is_cancelled():
+    if not os.environ.get("ATLAS_BIN") or not os.environ.get("ATLAS_MODEL"):
+        raise Skip("ATLAS_BIN or ATLAS_MODEL not set")
+    timeout = 2
+    with tempfile.TemporaryDirectory() as tmp, \
+            other_server("--stream-timeout", str(timeout), "-c", "65536", model=endless_model(tmp)) as (url, log):
+        # A client that asks for a long stream and reads nothing of it. Its small receive buffer and
+        # segment size keep the server's send buffer small too (Linux sizes it by the segment), so
+        # that its stream fills up after a few hundred KB; the long model name (echoed in every
+        # chunk) makes that sooner still.
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+        request = {"model": "m" * 256, "messages": HELLO, "temperature": 0, "max_tokens": 60000, "stream": True}
+        with contextlib.closing(raw_post(url, json.dumps(request).encode(), sock=stalled)):
+            assert read_response_head(stalled) == 200  # it is generating
+            start = time.time()
+
+            # Requests queued behind it, 0.1 s apart, are answered once it is given up on, first come
+            # first served (their max_tokens, which this model always reaches, tell them apart in the
+            # log); one whose client leaves while queued is not run at all.
+            quick = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=timeout + 10)
+            waited, errors = {}, []
+
+            def one(n):
+                try:
+                    r = quick.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=n)
+                    assert r.usage.completion_tokens == n, r.usage
+                    waited[n] = time.time() - start
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(repr(e))
+
+            threads = []
+            for n in (1, 7, 2, 3):
+                if n == 7:
+                    leaving = raw_post(url, json.dumps({"messages": HELLO, "max_tokens": n}).encode())
+                    time.sleep(0.1)
+                    leaving.close()
+                    continue
+                threads.append(threading.Thread(target=one, args=(n,)))
+                threads[-1].start()
+                time.sleep(0.1)
+            for t in threads:
+                t.join(timeout=60)
+            assert not errors, errors
+            # Well under the client's own timeout: the stream filled and then stalled for `timeout`.
+            assert max(waited.values()) < timeout + 8, waited
+
+            text = log()
+            stall = re.search(rf"cancelled after \d+ ms: the client took nothing from its stream for {timeout} s", text)
+            assert stall, "the server did not log the stalled stream's cancellation"
+            served = [int(n) for n in re.findall(r"(\d+) generated", text[stall.end():])]
+            assert served == [1, 2, 3], served
+
+            # The stalled client finds its stream ended without [DONE]: its answer is incomplete.
+            stalled.settimeout(30)
+            rest = bytearray()
+            while not rest.endswith(b"\r\n0\r\n\r\n"):
+                data = stalled.recv(65536)
+                assert data, "the stalled stream was closed without its end"
+                rest += data
+            assert b"[DONE]" not in rest
+
+        # And the server serves as before.
+        chunks = list(quick.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length", chunks[-1]
+
+
+@contextlib.contextmanager
+def other_server(*flags, model=None):
+    """Another `atlas serve` with other flags (on ATLAS_MODEL unless `model` is given): yields its API
+    root and a function that returns its log so far; it must stop cleanly on SIGTERM."""
+    binary = os.environ.get("ATLAS_BIN")
+    model = model or os.environ.get("ATLAS_MODEL")
     if not binary or not model:
         raise Skip("ATLAS_BIN or ATLAS_MODEL not set")
-    proc = subprocess.Popen(
-        [binary, "serve", "--model", model, "--port", "0", "--api-key", "s3cret"],
-        stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        url = None
-        deadline = time.time() + 60
-        while time.time() < deadline and url is None:
-            line = proc.stderr.readline()
-            if not line:
-                raise AssertionError("the second server exited")
-            m = re.search(r"ready: .* at (http://\S+/v1)", line)
-            url = m and m.group(1)
-        assert url, "the second server did not get ready"
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
+    with tempfile.NamedTemporaryFile("w+", encoding="utf-8", suffix=".log") as log:
+        proc = subprocess.Popen([binary, "serve", "--model", model, "--port", "0", *flags], stderr=log)
+
+        def read_log():
+            with open(log.name, encoding="utf-8", errors="replace") as f:
+                return f.read()
+
+        try:
+            url = None
+            deadline = time.time() + 60
+            while url is None and time.time() < deadline:
+                if proc.poll() is not None:
+                    raise AssertionError(f"the other server exited:\n{read_log()}")
+                m = re.search(r"ready: .* at (http://\S+/v1)", read_log())
+                url = m and m.group(1)
+                time.sleep(0.05)
+            assert url, f"the other server did not get ready:\n{read_log()}"
+            yield url, read_log
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                assert proc.wait(timeout=20) == 0, f"the other server did not stop cleanly on SIGTERM:\n{read_log()}"
+
+
+@test
+def api_key_required():
+    with other_server("--api-key", "s3cret") as (url, _):
         good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
         bad = openai.OpenAI(base_url=url, api_key="wrong", max_retries=0)
         assert [m.id for m in good.models.list().data] == [MODEL]
@@ -389,9 +558,6 @@ def api_key_required():
         assert status == 401, status
         status, _, _ = http_at(url.rsplit("/v1", 1)[0], "/health")
         assert status == 200, status
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=20) == 0, "the second server did not stop cleanly on SIGTERM"
 
 
 def http_at(root, path):

@@ -1,18 +1,28 @@
 //! `atlas serve`: an OpenAI-compatible HTTP server over one loaded engine.
 //!
-//! The engine answers one request at a time: it sits behind a mutex and each completion runs on a
-//! blocking thread, so requests queue in arrival order. Streamed chunks travel from that thread to
-//! the client through a bounded channel; when the client goes away the channel closes, the chunk
-//! callback returns false and generation stops at the next token. A non-streamed request whose
-//! client goes away is cancelled the same way, through a flag set when its handler is dropped.
+//! A request is parsed, rendered and tokenized on a blocking thread before it asks for the engine,
+//! so a malformed or oversized prompt is refused without waiting for (or holding) the engine. The
+//! engine answers one request at a time: it sits behind tokio's mutex, which is fair, so prepared
+//! requests take it first come, first served, and a request whose client leaves while it waits
+//! drops out of the queue with its handler. Each completion then runs on a blocking thread.
+//!
+//! Streamed chunks travel from that thread to the client through a backlog bounded by chunks and by
+//! bytes. When it is full generation waits for the client; a client that takes nothing for
+//! --stream-timeout has its request cancelled, so that one that stopped reading cannot hold the
+//! engine. When the client goes away the backlog closes, the chunk callback returns false and
+//! generation stops at the next token. A non-streamed request whose client goes away is cancelled
+//! the same way, through a flag set when its handler is dropped.
 
 use std::convert::Infallible;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use atlas::api::{chat_completion, ChatRequest};
+use atlas::api::{prepare_chat, run_chat, ChatRequest, PreparedChat, DEFAULT_MAX_REQUEST_BYTES};
+use atlas::engine::Frontend;
 use atlas::{Engine, EngineOptions, Error, Result};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -22,16 +32,15 @@ use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
+use tokio::sync::{mpsc, oneshot, OwnedMutexGuard};
+use tokio_stream::{Stream, StreamExt};
 
 use crate::LoadArgs;
 
-/// Largest request body accepted.
-const MAX_BODY: usize = 64 << 20;
-/// Chunks buffered between the generating thread and a slow client before generation waits.
-const STREAM_BUFFER: usize = 256;
+/// A stream holds at most this many chunks for a slow client before generation waits for it...
+const STREAM_CHUNKS: usize = 256;
+/// ...and at most this many bytes, however large the chunks.
+const STREAM_BYTES: usize = 4 << 20;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -47,16 +56,29 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint except /health (401 otherwise).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
+    /// Cancel a streamed answer once generation has waited this long for its client to read
+    /// anything (its buffers full), freeing the engine for the requests queued behind it. A client
+    /// that keeps reading, however slowly, is waited for.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    stream_timeout: u64,
+    /// Largest request body accepted, in bytes (413 beyond it).
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_MAX_REQUEST_BYTES)]
+    max_request_bytes: usize,
 }
 
 struct Server {
     /// Set once the model has loaded; until then the API answers 503.
     loaded: OnceLock<Loaded>,
     api_key: Option<String>,
+    max_request_bytes: usize,
+    stream_timeout: Duration,
 }
 
 struct Loaded {
-    engine: Mutex<Engine>,
+    /// Fair: requests get the engine in the order they asked for it.
+    engine: Arc<tokio::sync::Mutex<Engine>>,
+    /// The template and tokenizer, to prepare requests without the engine.
+    frontend: Frontend,
     model: String,
     created: u64,
 }
@@ -141,13 +163,23 @@ async fn serve(args: &ServeArgs, opts: EngineOptions) -> Result<()> {
     let local = listener.local_addr().map_err(|e| Error::io(&addr, e))?;
     eprintln!("listening on http://{local} (loading the model; the API answers 503 until it is ready)");
 
-    let server = Arc::new(Server { loaded: OnceLock::new(), api_key: args.api_key.clone() });
+    let server = Arc::new(Server {
+        loaded: OnceLock::new(),
+        api_key: args.api_key.clone(),
+        max_request_bytes: args.max_request_bytes,
+        stream_timeout: Duration::from_secs(args.stream_timeout),
+    });
     let (failed_tx, failed_rx) = oneshot::channel::<Error>();
     let loading = server.clone();
     tokio::task::spawn_blocking(move || match crate::load_engine(&opts) {
         Ok(engine) => {
             let model = engine.model_name();
-            let loaded = Loaded { engine: Mutex::new(engine), model: model.clone(), created: unix_time() };
+            let loaded = Loaded {
+                frontend: engine.frontend().clone(),
+                engine: Arc::new(tokio::sync::Mutex::new(engine)),
+                model: model.clone(),
+                created: unix_time(),
+            };
             let _ = loading.loaded.set(loaded);
             eprintln!("ready: model {model:?} at http://{local}/v1");
         }
@@ -311,6 +343,24 @@ enum Event {
     Done(Result<Value, ApiError>),
 }
 
+impl Event {
+    /// What the event weighs in a stream's backlog.
+    fn bytes(&self) -> usize {
+        match self {
+            Event::Chunk(c) => c.len(),
+            Event::Done(_) => 0,
+        }
+    }
+}
+
+/// Why a client no longer takes its answer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Gone {
+    Left,
+    /// It took nothing from its full stream for this long.
+    Stalled(Duration),
+}
+
 /// Sets the flag when dropped: the handler of a non-streamed request was dropped (its client went
 /// away) or finished.
 struct CancelOnDrop(Arc<AtomicBool>);
@@ -327,71 +377,86 @@ async fn chat_completions(
     body: Body,
 ) -> Result<Response, ApiError> {
     server.authorize(&headers)?;
-    server.ready()?;
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY) {
-        return Err(too_large());
-    }
-    let bytes = axum::body::to_bytes(body, MAX_BODY).await.map_err(|e| {
-        if e.to_string().contains("length limit") {
-            too_large()
-        } else {
-            ApiError::invalid(format!("could not read the request body: {e}"))
-        }
-    })?;
-    let text =
-        std::str::from_utf8(&bytes).map_err(|e| ApiError::invalid(format!("the request body is not UTF-8: {e}")))?;
-    let mut request = ChatRequest::from_json_str(text).map_err(|e| {
-        eprintln!("rejected a request: {e}");
-        ApiError::from(e)
-    })?;
-    let streaming = request.stream;
-    // Chunks always flow through the callback, so that a vanished client cancels either way.
-    request.stream = true;
+    let loaded = server.ready()?;
+    let bytes = read_body(&headers, body, server.max_request_bytes).await?;
+    let frontend = loaded.frontend.clone();
+    let (prepared, streaming) = tokio::task::spawn_blocking(move || prepare(&frontend, &bytes))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))??;
+    // The queue: a client that leaves while waiting here drops this handler, and its place with it.
+    let engine = loaded.engine.clone().lock_owned().await;
     if streaming {
-        stream_completion(server, request).await
+        stream_completion(engine, prepared, server.stream_timeout).await
     } else {
         let cancelled = Arc::new(AtomicBool::new(false));
         let _guard = CancelOnDrop(cancelled.clone());
         let job = tokio::task::spawn_blocking(move || {
-            let wanted = || !cancelled.load(Ordering::Relaxed);
-            run_completion(&server, &request, &wanted, &mut |_| wanted())
+            let mut engine = engine;
+            let mut on_chunk = |_: &str| if cancelled.load(Ordering::Relaxed) { Err(Gone::Left) } else { Ok(()) };
+            run_completion(&mut engine, prepared, &mut on_chunk)
         });
         let answer = job.await.map_err(|e| ApiError::internal(format!("the request failed: {e}")))??;
         Ok(json_response(StatusCode::OK, &answer))
     }
 }
 
-fn too_large() -> ApiError {
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large(limit));
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        if e.to_string().contains("length limit") {
+            too_large(limit)
+        } else {
+            ApiError::invalid(format!("could not read the request body: {e}"))
+        }
+    })
+}
+
+fn too_large(limit: usize) -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
         "invalid_request_error",
         "request_too_large",
-        format!("the request body is larger than {} MiB", MAX_BODY >> 20),
+        format!("the request body is larger than {limit} bytes"),
     )
 }
 
-/// Waits for the engine, then runs one completion on the calling (blocking) thread.
-/// `wanted` says whether the client is still there.
-fn run_completion(
-    server: &Server,
-    request: &ChatRequest,
-    wanted: &dyn Fn() -> bool,
-    on_chunk: &mut dyn FnMut(&str) -> bool,
-) -> Result<Value, ApiError> {
-    let loaded = server.ready()?;
-    let mut engine = loaded.engine.lock().unwrap_or_else(|poisoned| {
-        loaded.engine.clear_poison();
-        let mut engine = poisoned.into_inner();
-        engine.reset_cache();
-        engine
+/// Parses a request and renders and tokenizes its prompt, all without the engine; also returns
+/// whether the client asked for a stream. The prepared request always streams, so that its chunks
+/// flow through the callback and a vanished client cancels it either way.
+fn prepare(frontend: &Frontend, body: &[u8]) -> Result<(PreparedChat, bool), ApiError> {
+    let text =
+        std::str::from_utf8(body).map_err(|e| ApiError::invalid(format!("the request body is not UTF-8: {e}")))?;
+    let prepared = ChatRequest::from_json_str(text).and_then(|mut request| {
+        let streaming = request.stream;
+        request.stream = true;
+        Ok((prepare_chat(frontend, request)?, streaming))
     });
-    // A request whose client left while it waited in the queue is not run.
-    if !wanted() {
-        return Err(Error::Cancelled.into());
-    }
+    prepared.map_err(|e| {
+        eprintln!("rejected a request: {e}");
+        ApiError::from(e)
+    })
+}
+
+/// Runs one completion on the calling (blocking) thread. `on_chunk` fails once the client is gone,
+/// and generation then stops at the next token.
+fn run_completion(
+    engine: &mut Engine,
+    prepared: PreparedChat,
+    on_chunk: &mut dyn FnMut(&str) -> Result<(), Gone>,
+) -> Result<Value, ApiError> {
+    let mut gone = None;
+    let mut sink = |chunk: &str| match on_chunk(chunk) {
+        Ok(()) => true,
+        Err(why) => {
+            gone = Some(why);
+            false
+        }
+    };
     let start = Instant::now();
-    let result = catch_unwind(AssertUnwindSafe(|| chat_completion(&mut engine, request, &mut *on_chunk)));
+    let result = catch_unwind(AssertUnwindSafe(|| run_chat(engine, prepared, &mut sink)));
     let ms = start.elapsed().as_secs_f64() * 1e3;
     match result {
         Ok(Ok(answer)) => {
@@ -406,7 +471,13 @@ fn run_completion(
             Ok(answer)
         }
         Ok(Err(Error::Cancelled)) => {
-            eprintln!("chat completion cancelled after {ms:.0} ms: the client went away");
+            let why = match gone {
+                Some(Gone::Stalled(t)) => {
+                    format!("the client took nothing from its stream for {} s (--stream-timeout)", t.as_secs())
+                }
+                _ => "the client went away".to_string(),
+            };
+            eprintln!("chat completion cancelled after {ms:.0} ms: {why}");
             Err(Error::Cancelled.into())
         }
         Ok(Err(e)) => {
@@ -428,19 +499,27 @@ fn run_completion(
 
 /// Server-sent events: `data: {chunk}` per chunk, then `data: [DONE]`. The response waits for the
 /// generation's second event (its first delta after the role chunk) or its end, so that errors
-/// found before any token (a bad conversation, a prompt over the context) still get an HTTP status.
-async fn stream_completion(server: Arc<Server>, request: ChatRequest) -> Result<Response, ApiError> {
-    let (tx, mut rx) = mpsc::channel::<Event>(STREAM_BUFFER);
+/// found before any token still get an HTTP status.
+async fn stream_completion(
+    engine: OwnedMutexGuard<Engine>,
+    prepared: PreparedChat,
+    stall: Duration,
+) -> Result<Response, ApiError> {
+    let backlog = Arc::new(Backlog::default());
+    let (tx, rx) = mpsc::unbounded_channel::<Event>();
+    let mut reader = BacklogReader { rx, backlog: backlog.clone() };
+    let mut sender = ChunkSender { tx, backlog, stall, gone: None };
     tokio::task::spawn_blocking(move || {
-        let wanted = || !tx.is_closed();
-        let mut on_chunk = |chunk: &str| tx.blocking_send(Event::Chunk(chunk.to_string())).is_ok();
-        let result = run_completion(&server, &request, &wanted, &mut on_chunk);
-        let _ = tx.blocking_send(Event::Done(result));
+        let mut engine = engine;
+        let result = run_completion(&mut engine, prepared, &mut |chunk| sender.send(Event::Chunk(chunk.to_string())));
+        // The next request need not wait for this client to take the end of its answer.
+        drop(engine);
+        let _ = sender.send(Event::Done(result));
     });
 
     let mut head = Vec::new();
     loop {
-        match rx.recv().await {
+        match reader.next().await {
             Some(Event::Chunk(c)) => {
                 head.push(Event::Chunk(c));
                 if head.len() >= 2 {
@@ -455,7 +534,7 @@ async fn stream_completion(server: Arc<Server>, request: ChatRequest) -> Result<
             None => return Err(ApiError::internal("the generation stopped without an answer")),
         }
     }
-    let events = tokio_stream::iter(head).chain(ReceiverStream::new(rx));
+    let events = tokio_stream::iter(head).chain(reader);
     let body = Body::from_stream(events.map(|event| Ok::<Bytes, Infallible>(sse_bytes(event))));
     let mut response = Response::new(body);
     let h = response.headers_mut();
@@ -463,6 +542,115 @@ async fn stream_completion(server: Arc<Server>, request: ChatRequest) -> Result<
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     Ok(response)
+}
+
+/// What a stream holds for its client: the generating thread waits while it is full, and gives up
+/// on a client that takes nothing. A full TCP window looks the same whether the client is slow or
+/// has stopped reading, so only a stretch with no progress at all counts as a stall.
+#[derive(Default)]
+struct Backlog {
+    held: Mutex<Held>,
+    /// Signalled when the client takes an event or goes away.
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Held {
+    events: usize,
+    bytes: usize,
+    /// The client went away.
+    closed: bool,
+}
+
+impl Backlog {
+    /// Makes room for one more event of `bytes`, waiting while the backlog is full; fails once the
+    /// client has gone, or has taken nothing for `stall`. An event alone always fits, however large.
+    fn admit(&self, bytes: usize, stall: Duration) -> Result<(), Gone> {
+        let mut held = lock(&self.held);
+        let mut timed_out = false;
+        loop {
+            if held.closed {
+                return Err(Gone::Left);
+            }
+            let fits = held.events < STREAM_CHUNKS && held.bytes.saturating_add(bytes) <= STREAM_BYTES;
+            if fits || held.events == 0 {
+                held.events += 1;
+                held.bytes += bytes;
+                return Ok(());
+            }
+            if timed_out {
+                return Err(Gone::Stalled(stall));
+            }
+            // Each event taken starts the wait over: a slow client is waited for.
+            let (next, wait) = self.changed.wait_timeout(held, stall).unwrap_or_else(PoisonError::into_inner);
+            held = next;
+            timed_out = wait.timed_out();
+        }
+    }
+
+    fn taken(&self, bytes: usize) {
+        let mut held = lock(&self.held);
+        held.events = held.events.saturating_sub(1);
+        held.bytes = held.bytes.saturating_sub(bytes);
+        drop(held);
+        self.changed.notify_one();
+    }
+
+    fn close(&self) {
+        lock(&self.held).closed = true;
+        self.changed.notify_one();
+    }
+}
+
+/// The counts stay meaningful whatever panicked while holding them.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The generating thread's end of a stream.
+struct ChunkSender {
+    tx: mpsc::UnboundedSender<Event>,
+    backlog: Arc<Backlog>,
+    stall: Duration,
+    /// Set on the first failure, so that later events (the end) do not wait for the client again.
+    gone: Option<Gone>,
+}
+
+impl ChunkSender {
+    fn send(&mut self, event: Event) -> Result<(), Gone> {
+        if let Some(gone) = self.gone {
+            return Err(gone);
+        }
+        let sent =
+            self.backlog.admit(event.bytes(), self.stall).and_then(|()| self.tx.send(event).map_err(|_| Gone::Left));
+        self.gone = sent.err();
+        sent
+    }
+}
+
+/// The response's end of a stream: each event the client takes leaves the backlog, and dropping it
+/// (the client went away) closes the backlog.
+struct BacklogReader {
+    rx: mpsc::UnboundedReceiver<Event>,
+    backlog: Arc<Backlog>,
+}
+
+impl Stream for BacklogReader {
+    type Item = Event;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let polled = self.rx.poll_recv(cx);
+        if let Poll::Ready(Some(event)) = &polled {
+            self.backlog.taken(event.bytes());
+        }
+        polled
+    }
+}
+
+impl Drop for BacklogReader {
+    fn drop(&mut self) {
+        self.backlog.close();
+    }
 }
 
 fn sse_bytes(event: Event) -> Bytes {
@@ -512,19 +700,99 @@ mod tests {
         assert_eq!(v["error"]["type"], "server_error");
     }
 
+    fn server(api_key: Option<&str>) -> Server {
+        Server {
+            loaded: OnceLock::new(),
+            api_key: api_key.map(str::to_string),
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            stream_timeout: Duration::from_secs(30),
+        }
+    }
+
     #[test]
     fn api_key_and_addresses() {
-        let server = Server { loaded: OnceLock::new(), api_key: Some("k1".into()) };
+        let server = server(Some("k1"));
         let mut h = HeaderMap::new();
         assert_eq!(server.authorize(&h).unwrap_err().status, StatusCode::UNAUTHORIZED);
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k2"));
         assert_eq!(server.authorize(&h).unwrap_err().status, StatusCode::UNAUTHORIZED);
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k1"));
         assert!(server.authorize(&h).is_ok());
-        assert!(Server { loaded: OnceLock::new(), api_key: None }.authorize(&HeaderMap::new()).is_ok());
+        assert!(self::server(None).authorize(&HeaderMap::new()).is_ok());
         assert!(server.ready().is_err());
         assert_eq!(format_addr("127.0.0.1", 80), "127.0.0.1:80");
         assert_eq!(format_addr("::1", 80), "[::1]:80");
         assert_eq!(format_addr("[::1]", 80), "[::1]:80");
+    }
+
+    const STALL: Duration = Duration::from_millis(200);
+
+    #[test]
+    fn a_full_backlog_waits_for_a_slow_client_and_gives_up_on_a_stalled_one() {
+        let backlog = Arc::new(Backlog::default());
+        for _ in 0..STREAM_CHUNKS {
+            backlog.admit(10, STALL).unwrap();
+        }
+        // Nothing taken: a stall.
+        let start = Instant::now();
+        assert_eq!(backlog.admit(10, STALL), Err(Gone::Stalled(STALL)));
+        assert!(start.elapsed() >= STALL);
+
+        // A client that takes one event every 3/4 of the timeout keeps the stream going, for
+        // longer in all than the timeout.
+        let reader = {
+            let backlog = backlog.clone();
+            std::thread::spawn(move || {
+                for _ in 0..4 {
+                    std::thread::sleep(STALL * 3 / 4);
+                    backlog.taken(10);
+                }
+            })
+        };
+        let start = Instant::now();
+        for _ in 0..4 {
+            backlog.admit(10, STALL).unwrap();
+        }
+        assert!(start.elapsed() > STALL * 2);
+        reader.join().unwrap();
+    }
+
+    #[test]
+    fn the_backlog_is_bounded_by_bytes_and_a_lone_event_always_fits() {
+        let backlog = Backlog::default();
+        backlog.admit(STREAM_BYTES * 2, STALL).unwrap();
+        assert_eq!(backlog.admit(1, STALL), Err(Gone::Stalled(STALL)));
+        backlog.taken(STREAM_BYTES * 2);
+        backlog.admit(STREAM_BYTES - 1, STALL).unwrap();
+        backlog.admit(1, STALL).unwrap();
+        assert_eq!(backlog.admit(1, STALL), Err(Gone::Stalled(STALL)));
+    }
+
+    #[test]
+    fn a_client_that_leaves_frees_a_waiting_sender_at_once() {
+        let backlog = Arc::new(Backlog::default());
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reader = BacklogReader { rx, backlog: backlog.clone() };
+        let mut sender = ChunkSender { tx, backlog, stall: Duration::from_secs(60), gone: None };
+        for _ in 0..STREAM_CHUNKS {
+            sender.send(Event::Chunk("x".into())).unwrap();
+        }
+        let leave = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(reader);
+        });
+        let start = Instant::now();
+        assert_eq!(sender.send(Event::Chunk("x".into())), Err(Gone::Left));
+        assert!(start.elapsed() < Duration::from_secs(10));
+        // Once gone, the end is not waited for.
+        assert_eq!(sender.send(Event::Done(Ok(Value::Null))), Err(Gone::Left));
+        leave.join().unwrap();
+    }
+
+    #[test]
+    fn too_large_is_413() {
+        let e = too_large(100);
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(e.message.contains("100 bytes"), "{}", e.message);
     }
 }
