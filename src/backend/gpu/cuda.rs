@@ -1,6 +1,11 @@
 //! NVIDIA through cudarc's driver and NVRTC bindings, both loaded at run time (no CUDA needed to
 //! build or to run on the CPU). Kernels are compiled by NVRTC for the GPU present and cached on
-//! disk as CUBIN, keyed by source hash, architecture and driver and NVRTC versions.
+//! disk as CUBIN, keyed by source hash, architecture and driver and NVRTC versions; a cached
+//! CUBIN the driver refuses is compiled again and replaced.
+//!
+//! Memory comes from a pool of Atlas's own, which keeps freed blocks (no driver call for per-op
+//! temporaries) and gives them back when the runtime is dropped; the device's default pool, which
+//! the host may use, is left as it is.
 //!
 //! Atlas runs inside a host process that may use CUDA itself, on the same threads: every call
 //! makes Atlas's context current only for its duration and puts the caller's back.
@@ -13,7 +18,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, sys, CudaContext};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_from_cache, store_in_cache, Arg, Runtime};
+use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_kernels, Arg, Runtime};
 use crate::{Error, Result};
 
 pub struct CudaRuntime {
@@ -23,6 +28,8 @@ pub struct CudaRuntime {
     /// Null until made: `new` fills the runtime in step by step, so that Drop releases whatever
     /// was made when a later step fails.
     stream: sys::CUstream,
+    /// Atlas's own memory pool (see `pool_props`).
+    pool: sys::CUmemoryPool,
     module: sys::CUmodule,
     functions: HashMap<String, sys::CUfunction>,
     /// Programmatic dependent launch (sm_90+): `launch_early` lets a kernel start before the
@@ -32,8 +39,9 @@ pub struct CudaRuntime {
     description: String,
 }
 
-// SAFETY: the stream, module and function handles belong to `ctx`, which is made current on the
-// calling thread for every use; the engine serialises all calls on one model.
+// SAFETY: the stream, module and function handles belong to `ctx` (the pool to its device), which
+// is made current on the calling thread for every use; the engine serialises all calls on one
+// model.
 unsafe impl Send for CudaRuntime {}
 unsafe impl Sync for CudaRuntime {}
 
@@ -84,6 +92,7 @@ impl CudaRuntime {
         let mut rt = CudaRuntime {
             ctx: ManuallyDrop::new(ctx),
             stream: std::ptr::null_mut(),
+            pool: std::ptr::null_mut(),
             module: std::ptr::null_mut(),
             functions: HashMap::new(),
             early_launch: false,
@@ -95,19 +104,20 @@ impl CudaRuntime {
         let arch = format!("sm_{major}{minor}");
         let name = cu::device::get_name(device).unwrap_or_else(|_| "CUDA device".into());
         rt.stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| dev_err("stream", e))?;
-        // Keep freed blocks in the stream-ordered pool: per-op temporaries then cost no driver
-        // call. Drop trims the pool, so that unloading gives the memory back.
-        // SAFETY: the device handle is valid; the attribute takes a u64.
+        // A pool of Atlas's own that keeps freed blocks across synchronisations: per-op
+        // temporaries then cost no driver call. Drop destroys it, so that unloading gives the
+        // memory back. (Raising the threshold of the device's default pool instead would keep the
+        // host's freed memory too.)
+        let props = pool_props(ordinal)?;
+        // SAFETY: `props` is a valid, fully initialised description; the attribute takes a u64.
         unsafe {
-            let pool = cu::device::get_default_mem_pool(device).map_err(|e| dev_err("memory pool", e))?;
+            rt.pool = cu::mem_pool::create(&props).map_err(|e| dev_err(&format!("memory pool for device {ordinal}"), e))?;
             let mut threshold = u64::MAX;
-            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast())
-                .result()
-                .map_err(|e| dev_err("memory pool", e))?;
+            cu::mem_pool::set_attribute(rt.pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast())
+                .map_err(|e| dev_err("memory pool release threshold", e))?;
         }
-        let (cubin, cache_state) = compiled_kernels(&arch)?;
-        // SAFETY: `cubin` is a complete CUBIN image that outlives the call.
-        rt.module = unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err("module load", e))?;
+        let (module, cache_state) = load_module(&arch)?;
+        rt.module = module;
         // SAFETY: the device handle is valid.
         let max_shared = unsafe {
             cu::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -148,6 +158,19 @@ impl CudaRuntime {
     }
 }
 
+/// Atlas's memory pool: pinned device memory on device `ordinal`, not exportable; the rest zero
+/// (the reserved bytes must be).
+fn pool_props(ordinal: usize) -> Result<sys::CUmemPoolProps> {
+    let id = i32::try_from(ordinal).map_err(|_| Error::Device(format!("CUDA device ordinal {ordinal} out of range")))?;
+    // SAFETY: plain data (enums, integers, a null pointer); zero is valid for every field.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = id;
+    Ok(props)
+}
+
 /// The driver's and NVRTC's versions: either may change the code compiled, or what loads.
 fn toolchain_versions() -> Result<String> {
     let (mut driver, mut major, mut minor) = (0, 0, 0);
@@ -159,20 +182,29 @@ fn toolchain_versions() -> Result<String> {
     Ok(format!("driver {driver}, nvrtc {major}.{minor}"))
 }
 
-/// NVRTC output for `arch`, from the disk cache when the same source was compiled before.
-fn compiled_kernels(arch: &str) -> Result<(Vec<u8>, &'static str)> {
+/// The kernels for `arch` as a loaded module: the cached CUBIN when the driver takes it, else
+/// compiled by NVRTC (and cached).
+fn load_module(arch: &str) -> Result<(sys::CUmodule, &'static str)> {
     let source = kernel_source();
     let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
     let versions = toolchain_versions()?;
     let key = fnv1a(&[source.as_bytes(), arch.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
     let path = kernel_cache_dir().join(format!("{key:016x}-{arch}.cubin"));
-    if let Some(cubin) = load_from_cache(&path) {
-        return Ok((cubin, "cached"));
-    }
+    load_kernels(
+        &path,
+        || nvrtc_compile(&source, arch, &options),
+        // SAFETY: `cubin` is a whole CUBIN image (checked by the cache or made by NVRTC) that
+        // outlives the call; the context is current.
+        |cubin| unsafe { cu::module::load_data(cubin.as_ptr().cast()) }.map_err(|e| dev_err(&format!("module load ({arch})"), e)),
+    )
+}
+
+/// NVRTC's CUBIN for `arch`.
+fn nvrtc_compile(source: &str, arch: &str, options: &[String]) -> Result<Vec<u8>> {
     let src = CString::new(source).map_err(|e| dev_err("kernel source", e))?;
     let prog = nvrtc::create_program(&src, None).map_err(|e| dev_err("nvrtc program", e))?;
     // SAFETY: `prog` is a live program; options are plain strings.
-    let compiled = unsafe { nvrtc::compile_program(prog, &options) };
+    let compiled = unsafe { nvrtc::compile_program(prog, options) };
     if compiled.is_err() {
         // SAFETY: as above.
         let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
@@ -181,16 +213,16 @@ fn compiled_kernels(arch: &str) -> Result<(Vec<u8>, &'static str)> {
         return Err(Error::Device(format!("NVRTC could not compile the kernels for {arch}:\n{log}")));
     }
     let mut size = 0usize;
-    // SAFETY: the program compiled for a real architecture, so it has a CUBIN.
-    let cubin = unsafe {
-        nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| dev_err("cubin size", e))?;
-        let mut buf = vec![0u8; size];
-        nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()).result().map_err(|e| dev_err("cubin", e))?;
+    // SAFETY: the program compiled for a real architecture, so it has a CUBIN; the program is
+    // destroyed on every way out.
+    unsafe {
+        let cubin = nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| dev_err("cubin size", e)).and_then(|()| {
+            let mut buf = vec![0u8; size];
+            nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()).result().map_err(|e| dev_err("cubin", e)).map(|()| buf)
+        });
         nvrtc::destroy_program(prog).ok();
-        buf
-    };
-    store_in_cache(&path, &cubin);
-    Ok((cubin, "compiled"))
+        cubin
+    }
 }
 
 impl Runtime for CudaRuntime {
@@ -204,13 +236,13 @@ impl Runtime for CudaRuntime {
 
     fn alloc(&self, bytes: usize) -> Result<u64> {
         let _bound = self.bind()?;
-        // SAFETY: the stream belongs to the current context.
-        unsafe { cu::malloc_async(self.stream, bytes.max(1)) }.map_err(|e| dev_err(&format!("alloc {bytes} bytes"), e))
+        // SAFETY: the pool and the stream belong to the current context's device.
+        unsafe { cu::mem_pool::alloc_async(self.pool, bytes.max(1), self.stream) }.map_err(|e| dev_err(&format!("alloc {bytes} bytes"), e))
     }
 
     fn free(&self, ptr: u64) {
         if let Ok(_bound) = self.bind() {
-            // SAFETY: `ptr` came from alloc and is freed once, after queued work.
+            // SAFETY: `ptr` came from alloc (Atlas's pool) and is freed once, after queued work.
             let _ = unsafe { cu::free_async(ptr, self.stream) };
         }
     }
@@ -324,9 +356,9 @@ impl Drop for CudaRuntime {
         // Held to the end: releasing the context binds it again.
         let bound = self.bind();
         if bound.is_ok() {
-            // SAFETY: no buffer outlives the runtime (each holds an Arc to it), so the pool's
-            // blocks are all free once the stream is done; the handles were made in new() (or are
-            // null) and are released once.
+            // SAFETY: no buffer outlives the runtime (each holds an Arc to it), so every block of
+            // the pool was freed on the stream, and is free once the stream is done; the handles
+            // were made in new() (or are null) and are released once.
             unsafe {
                 if !self.stream.is_null() {
                     let _ = cu::stream::synchronize(self.stream);
@@ -337,13 +369,32 @@ impl Drop for CudaRuntime {
                 if !self.stream.is_null() {
                     let _ = cu::stream::destroy(self.stream);
                 }
-                if let Ok(pool) = cu::device::get_default_mem_pool(self.ctx.cu_device()) {
-                    let _ = cu::mem_pool::trim_to(pool, 0);
+                if !self.pool.is_null() {
+                    let _ = cu::mem_pool::trim_to(self.pool, 0);
+                    let _ = cu::mem_pool::destroy(self.pool);
                 }
             }
         }
         // SAFETY: dropped once, here; nothing uses the context after.
         unsafe { ManuallyDrop::drop(&mut self.ctx) };
         drop(bound);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atlas_pool_is_pinned_device_memory_on_its_own_device() {
+        let props = pool_props(3).unwrap();
+        assert_eq!(props.allocType, sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED);
+        assert_eq!(props.handleTypes, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
+        assert_eq!(props.location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        assert_eq!(props.location.id, 3);
+        assert!(props.win32SecurityAttributes.is_null());
+        assert_eq!(props.maxSize, 0, "no size limit");
+        assert!(props.reserved.iter().all(|&b| b == 0), "reserved bytes must be zero");
+        assert!(pool_props(usize::MAX).is_err());
     }
 }

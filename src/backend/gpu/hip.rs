@@ -25,11 +25,14 @@
 //! when none is given. The full target id (`gfx90a:sramecc+:xnack-`) is passed to
 //! `--offload-arch`, as hipRTC does. `ATLAS_HIP_ARCH` overrides the detection.
 //!
-//! Memory: stream-ordered `hipMallocAsync`/`hipFreeAsync` on the default pool (release threshold
-//! raised so freed blocks stay pooled; trimmed when the runtime is dropped) when the runtime
-//! exports them and the device reports pool support; otherwise (or with `ATLAS_HIP_MALLOC_ASYNC=0`)
-//! `hipMalloc` behind an exact-size block cache, which is stream-ordered too because all work runs
-//! on the one in-order stream.
+//! Memory: stream-ordered allocations (`hipMallocFromPoolAsync`/`hipFreeAsync`) from a pool of
+//! Atlas's own whose release threshold is raised, so that freed blocks stay pooled, destroyed when
+//! the runtime is dropped; the device's default pool, which the host may use, is left as it is.
+//! A runtime without `hipMemPoolCreate`, or one that refuses to make the pool, gets
+//! `hipMallocAsync` on the default pool instead, with its threshold raised and the pool trimmed on
+//! drop. All this when the runtime exports the stream-ordered calls and the device reports pool
+//! support; otherwise (or with `ATLAS_HIP_MALLOC_ASYNC=0`) `hipMalloc` behind an exact-size block
+//! cache, which is stream-ordered too because all work runs on the one in-order stream.
 //! Graph capture (hipStreamBeginCapture ...) is opt-in with `ATLAS_HIP_GRAPHS=1` while it is
 //! unverified on AMD hardware; without it the backend launches kernels one by one.
 
@@ -41,7 +44,7 @@ use std::sync::{Mutex, OnceLock};
 use libloading::Library;
 
 use super::cuda::KERNELS;
-use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_from_cache, store_in_cache, Arg, Runtime};
+use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_kernels, Arg, Runtime};
 use crate::{Error, Result};
 
 type Status = c_int; // hipError_t
@@ -67,6 +70,39 @@ const ATTR_WARP_SIZE: c_int = 87;
 const ATTR_MEMORY_POOLS_SUPPORTED: c_int = 88;
 /// hipMemPoolAttrReleaseThreshold (value type u64).
 const MEMPOOL_ATTR_RELEASE_THRESHOLD: c_int = 4;
+/// hipMemAllocationTypePinned, hipMemHandleTypeNone, hipMemLocationTypeDevice.
+const MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
+const MEM_HANDLE_TYPE_NONE: c_int = 0;
+const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+
+/// hipMemPoolProps (88 bytes). ROCm 6 and 7 carve `maxSize` (0: no limit) out of what ROCm 5
+/// declares as 64 reserved bytes, which must be zero: zero there means the same to both.
+#[repr(C)]
+struct MemPoolProps {
+    alloc_type: c_int,
+    handle_types: c_int,
+    location_type: c_int,
+    location_id: c_int,
+    win32_security_attributes: *mut c_void,
+    max_size: usize,
+    reserved: [u8; 56],
+}
+
+impl MemPoolProps {
+    /// Pinned device memory on `device`, not exportable, no size limit.
+    fn device(device: c_int) -> Self {
+        MemPoolProps {
+            alloc_type: MEM_ALLOCATION_TYPE_PINNED,
+            handle_types: MEM_HANDLE_TYPE_NONE,
+            location_type: MEM_LOCATION_TYPE_DEVICE,
+            location_id: device,
+            win32_security_attributes: std::ptr::null_mut(),
+            max_size: 0,
+            reserved: [0; 56],
+        }
+    }
+}
+
 /// Byte offset of `gcnArchName[256]` in hipDeviceProp_tR0600 (ROCm 6, 7) and in the ROCm 5 layout
 /// (checked with offsetof against ROCm 5.2, 6.2 and 7 headers).
 const GCN_ARCH_NAME_OFFSET_R0600: usize = 1160;
@@ -96,6 +132,9 @@ struct Hip {
     malloc_async: Option<unsafe extern "C" fn(*mut *mut c_void, usize, Stream) -> Status>,
     free_async: Option<unsafe extern "C" fn(*mut c_void, Stream) -> Status>,
     device_get_default_mem_pool: Option<unsafe extern "C" fn(*mut MemPool, c_int) -> Status>,
+    mem_pool_create: Option<unsafe extern "C" fn(*mut MemPool, *const MemPoolProps) -> Status>,
+    mem_pool_destroy: Option<unsafe extern "C" fn(MemPool) -> Status>,
+    malloc_from_pool_async: Option<unsafe extern "C" fn(*mut *mut c_void, usize, MemPool, Stream) -> Status>,
     mem_pool_set_attribute: Option<unsafe extern "C" fn(MemPool, c_int, *mut c_void) -> Status>,
     mem_pool_trim_to: Option<unsafe extern "C" fn(MemPool, usize) -> Status>,
     memcpy_htod_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
@@ -343,6 +382,9 @@ unsafe fn load_hip(lib: &Library) -> std::result::Result<Hip, String> {
         malloc_async: opt_sym(lib, "hipMallocAsync"),
         free_async: opt_sym(lib, "hipFreeAsync"),
         device_get_default_mem_pool: opt_sym(lib, "hipDeviceGetDefaultMemPool"),
+        mem_pool_create: opt_sym(lib, "hipMemPoolCreate"),
+        mem_pool_destroy: opt_sym(lib, "hipMemPoolDestroy"),
+        malloc_from_pool_async: opt_sym(lib, "hipMallocFromPoolAsync"),
         mem_pool_set_attribute: opt_sym(lib, "hipMemPoolSetAttribute"),
         mem_pool_trim_to: opt_sym(lib, "hipMemPoolTrimTo"),
         memcpy_htod_async: sym(lib, "hipMemcpyHtoDAsync")?,
@@ -457,7 +499,8 @@ fn version_string(version: i32) -> String {
 
 /// Device memory: stream-ordered pool allocations, or hipMalloc behind a block cache.
 enum Allocator {
-    Pool,
+    /// From Atlas's own pool, or from the device's default pool where `own` is None.
+    Pool { own: Option<MemPool> },
     /// Freed blocks by exact size, and the size of every block handed out.
     Cache { free: HashMap<usize, Vec<u64>>, live: HashMap<u64, usize> },
 }
@@ -538,16 +581,6 @@ impl HipRuntime {
                 && api.hip.free_async.is_some()
                 && api.attribute(ATTR_MEMORY_POOLS_SUPPORTED, device) == Some(1)
                 && env_flag("ATLAS_HIP_MALLOC_ASYNC") != Some(false);
-            if pool {
-                // Keep freed blocks in the pool across synchronisations, like the CUDA runtime.
-                if let (Some(get_pool), Some(set_attr)) = (api.hip.device_get_default_mem_pool, api.hip.mem_pool_set_attribute) {
-                    let mut mem_pool: MemPool = std::ptr::null_mut();
-                    if get_pool(&mut mem_pool, device) == HIP_SUCCESS {
-                        let mut threshold = u64::MAX;
-                        let _ = set_attr(mem_pool, MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast());
-                    }
-                }
-            }
             let graphs = pool
                 && env_flag("ATLAS_HIP_GRAPHS") == Some(true)
                 && api.hip.stream_begin_capture.is_some()
@@ -579,12 +612,21 @@ impl HipRuntime {
             let cus = api.attribute(ATTR_MULTIPROCESSOR_COUNT, device).unwrap_or(0);
             // Kernels are compiled with the compiler's default: wave64 on gfx9 (CDNA), wave32 after.
             let wave = api.attribute(ATTR_WARP_SIZE, device).unwrap_or(if arch.starts_with("gfx9") { 64 } else { 32 });
+            // Last, so that no error path above has a pool to destroy.
+            let allocator = if pool {
+                Allocator::Pool { own: own_pool(api, device) }
+            } else {
+                Allocator::Cache { free: HashMap::new(), live: HashMap::new() }
+            };
+            let memory = match allocator {
+                Allocator::Pool { own: Some(_) } => "pooled",
+                Allocator::Pool { own: None } => "default-pool",
+                Allocator::Cache { .. } => "cached",
+            };
             let description = format!(
-                "hip {name} ({arch}, {cus} CUs, wave{wave}, HIP {}, {} memory, kernels {cache_state})",
-                version_string(api.version),
-                if pool { "pooled" } else { "cached" }
+                "hip {name} ({arch}, {cus} CUs, wave{wave}, HIP {}, {memory} memory, kernels {cache_state})",
+                version_string(api.version)
             );
-            let allocator = if pool { Allocator::Pool } else { Allocator::Cache { free: HashMap::new(), live: HashMap::new() } };
             let warp_size = wave.max(1) as u32;
             Ok(HipRuntime { api, device, stream, module, functions, allocator: Mutex::new(allocator), graphs, warp_size, description })
         }
@@ -616,38 +658,56 @@ impl HipRuntime {
     }
 }
 
-/// Loads the kernels' code object for `arch`, compiling it when the cache has none (or a stale one).
-fn load_module(api: &Api, arch: &str) -> Result<(Module, &'static str)> {
-    let (code, state, path) = compiled_kernels(api, arch)?;
-    let mut module: Module = std::ptr::null_mut();
-    // SAFETY: `code` is a complete code object that outlives the call.
-    let status = unsafe { (api.hip.module_load_data)(&mut module, code.as_ptr().cast()) };
-    if status != HIP_SUCCESS && state == "cached" {
-        // A truncated or foreign file: compile afresh.
-        let _ = std::fs::remove_file(&path);
-        let (code, state, _) = compiled_kernels(api, arch)?;
-        // SAFETY: as above.
-        api.check("module load", unsafe { (api.hip.module_load_data)(&mut module, code.as_ptr().cast()) })?;
-        return Ok((module, state));
+/// A pool of Atlas's own on `device` that keeps freed blocks across synchronisations, like the
+/// CUDA runtime's; None where the runtime cannot make one, after raising the default pool's
+/// release threshold instead (which keeps the host's freed blocks too: the fallback).
+///
+/// SAFETY: `device` is a valid ordinal.
+unsafe fn own_pool(api: &Api, device: c_int) -> Option<MemPool> {
+    let hip = &api.hip;
+    let keep_freed = |pool: MemPool| {
+        if let Some(set_attr) = hip.mem_pool_set_attribute {
+            let mut threshold = u64::MAX;
+            // SAFETY: the pool is live; the attribute takes a u64.
+            let _ = unsafe { set_attr(pool, MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast()) };
+        }
+    };
+    if let (Some(create), Some(_), Some(_)) = (hip.mem_pool_create, hip.mem_pool_destroy, hip.malloc_from_pool_async) {
+        let props = MemPoolProps::device(device);
+        let mut pool: MemPool = std::ptr::null_mut();
+        if create(&mut pool, &props) == HIP_SUCCESS && !pool.is_null() {
+            keep_freed(pool);
+            return Some(pool);
+        }
     }
-    api.check("module load", status)?;
-    Ok((module, state))
+    if let Some(get_pool) = hip.device_get_default_mem_pool {
+        let mut pool: MemPool = std::ptr::null_mut();
+        if get_pool(&mut pool, device) == HIP_SUCCESS {
+            keep_freed(pool);
+        }
+    }
+    None
 }
 
-/// hipRTC output (a code object) for `arch`, from the disk cache when the same source was compiled
-/// before by the same HIP version.
-fn compiled_kernels(api: &Api, arch: &str) -> Result<(Vec<u8>, &'static str, PathBuf)> {
+/// Loads the kernels' code object for `arch`: the cached one when the runtime takes it, else
+/// compiled by hipRTC (and cached).
+fn load_module(api: &Api, arch: &str) -> Result<(Module, &'static str)> {
     let source = kernel_source();
     let options = compile_options(arch);
     let hip_version = api.version.to_string();
     let key = fnv1a(&[source.as_bytes(), arch.as_bytes(), options.join(" ").as_bytes(), hip_version.as_bytes()]);
     let path = kernel_cache_dir().join(format!("{key:016x}-{}.hsaco", arch_file_name(arch)));
-    if let Some(code) = load_from_cache(&path) {
-        return Ok((code, "cached", path));
-    }
-    let code = compile(api, &source, arch, &options)?;
-    store_in_cache(&path, &code);
-    Ok((code, "compiled", path))
+    load_kernels(
+        &path,
+        || compile(api, &source, arch, &options),
+        |code| {
+            let mut module: Module = std::ptr::null_mut();
+            // SAFETY: `code` is a whole code object (checked by the cache or made by hipRTC) that
+            // outlives the call; the device is current.
+            api.check(&format!("module load ({arch})"), unsafe { (api.hip.module_load_data)(&mut module, code.as_ptr().cast()) })?;
+            Ok(module)
+        },
+    )
 }
 
 fn compile_options(arch: &str) -> [String; 3] {
@@ -718,11 +778,16 @@ impl Runtime for HipRuntime {
         let size = bytes.max(1);
         let mut allocator = self.allocator();
         match &mut *allocator {
-            Allocator::Pool => {
-                let malloc_async = hip.malloc_async.ok_or_else(|| Error::Device("hipMallocAsync missing".into()))?;
+            Allocator::Pool { own } => {
                 let mut p: *mut c_void = std::ptr::null_mut();
-                // SAFETY: the stream is live; the pointer is an out-parameter.
-                self.api.check(&format!("alloc {bytes} bytes"), unsafe { malloc_async(&mut p, size, self.stream) })?;
+                // SAFETY: the pool (own_pool checked that this call exists with it) and the stream
+                // are live; the pointer is an out-parameter.
+                let status = match (*own, hip.malloc_from_pool_async, hip.malloc_async) {
+                    (Some(pool), Some(malloc_from_pool), _) => unsafe { malloc_from_pool(&mut p, size, pool, self.stream) },
+                    (None, _, Some(malloc_async)) => unsafe { malloc_async(&mut p, size, self.stream) },
+                    _ => return Err(Error::Device("HIP alloc: no stream-ordered allocation entry point".into())),
+                };
+                self.api.check(&format!("alloc {bytes} bytes"), status)?;
                 Ok(p as u64)
             }
             Allocator::Cache { free, live } => {
@@ -759,9 +824,9 @@ impl Runtime for HipRuntime {
         let hip = &self.api.hip;
         let mut allocator = self.allocator();
         match &mut *allocator {
-            Allocator::Pool => {
+            Allocator::Pool { .. } => {
                 if let Some(free_async) = hip.free_async {
-                    // SAFETY: `ptr` came from hipMallocAsync and is freed once, after queued work.
+                    // SAFETY: `ptr` came from the pool and is freed once, after queued work.
                     let _ = unsafe { free_async(ptr as *mut c_void, self.stream) };
                 }
             }
@@ -899,9 +964,17 @@ impl Drop for HipRuntime {
                         }
                     }
                 }
-                // Freed blocks stay pooled while the runtime lives (see new): unloading gives
-                // them back.
-                Allocator::Pool => {
+                // Freed blocks stay pooled while the runtime lives (see own_pool): unloading gives
+                // them back. Every block was freed on the stream, which is done.
+                Allocator::Pool { own: Some(pool) } => {
+                    if let Some(trim) = hip.mem_pool_trim_to {
+                        trim(*pool, 0);
+                    }
+                    if let Some(destroy) = hip.mem_pool_destroy {
+                        destroy(*pool);
+                    }
+                }
+                Allocator::Pool { own: None } => {
                     if let (Some(get_pool), Some(trim)) = (hip.device_get_default_mem_pool, hip.mem_pool_trim_to) {
                         let mut pool: MemPool = std::ptr::null_mut();
                         if get_pool(&mut pool, self.device) == HIP_SUCCESS {
@@ -975,6 +1048,25 @@ mod tests {
             assert_eq!(arch_at(&buf, offset), None);
         }
         assert_eq!(arch_at(&[0u8; 16], GCN_ARCH_NAME_OFFSET_R0000), None);
+    }
+
+    /// hipMemPoolProps as hip_runtime_api.h lays it out on 64-bit targets (ROCm 5: 64 reserved
+    /// bytes after win32SecurityAttributes; ROCm 6 and 7: maxSize, then 56).
+    #[test]
+    fn pool_props_match_hip_mem_pool_props() {
+        use std::mem::{offset_of, size_of};
+        assert_eq!(size_of::<MemPoolProps>(), 88);
+        assert_eq!(offset_of!(MemPoolProps, handle_types), 4);
+        assert_eq!(offset_of!(MemPoolProps, location_type), 8);
+        assert_eq!(offset_of!(MemPoolProps, location_id), 12);
+        assert_eq!(offset_of!(MemPoolProps, win32_security_attributes), 16);
+        assert_eq!(offset_of!(MemPoolProps, max_size), 24);
+        assert_eq!(offset_of!(MemPoolProps, reserved), 32);
+        let props = MemPoolProps::device(2);
+        assert_eq!((props.alloc_type, props.handle_types, props.location_type, props.location_id), (1, 0, 1, 2));
+        assert!(props.win32_security_attributes.is_null());
+        assert_eq!(props.max_size, 0);
+        assert!(props.reserved.iter().all(|&b| b == 0));
     }
 
     /// Without ROCm (as on CI), the runtime reports a clean device error instead of panicking.

@@ -66,6 +66,28 @@ pub fn load_from_cache(path: &Path) -> Option<Vec<u8>> {
     })
 }
 
+/// Loads the kernels' code object with `load`: the one cached at `path` when it is whole and the
+/// driver accepts it, otherwise one made by `compile`, which then replaces the cached file (a
+/// cached file can pass the check and still be refused, e.g. when another driver produced it).
+/// Returns the loaded module and where its code came from, for load reports.
+pub fn load_kernels<M>(
+    path: &Path,
+    compile: impl FnOnce() -> Result<Vec<u8>>,
+    mut load: impl FnMut(&[u8]) -> Result<M>,
+) -> Result<(M, &'static str)> {
+    let refused = match load_from_cache(path) {
+        Some(code) => match load(&code) {
+            Ok(module) => return Ok((module, "cached")),
+            Err(_) => true,
+        },
+        None => false,
+    };
+    let code = compile()?;
+    let module = load(&code)?;
+    store_in_cache(path, &code);
+    Ok((module, if refused { "recompiled" } else { "compiled" }))
+}
+
 pub trait Runtime: Send + Sync {
     /// Device name, architecture and kernel-cache state, for load reports.
     fn describe(&self) -> String;
@@ -189,6 +211,48 @@ mod tests {
         store_in_cache(&path, b"not an ELF image");
         assert_eq!(load_from_cache(&path), None, "not ELF");
         assert_eq!(load_from_cache(&dir.join("missing")), None, "missing");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn kernels_are_compiled_again_when_the_driver_refuses_the_cached_ones() {
+        let dir = std::env::temp_dir().join(format!("atlas-kernel-load-{}", std::process::id()));
+        let path = dir.join("kernels.bin");
+        let ours = b"\x7fELF ours".to_vec();
+        let foreign = b"\x7fELF from another driver".to_vec();
+        let compiles = std::cell::Cell::new(0);
+        let compile = |code: &[u8]| {
+            let code = code.to_vec();
+            let compiles = &compiles;
+            move || {
+                compiles.set(compiles.get() + 1);
+                Ok(code)
+            }
+        };
+        // The "driver" accepts only `ours`.
+        let load = |code: &[u8]| if code == ours.as_slice() { Ok(code.len()) } else { Err(crate::Error::Device("refused".into())) };
+
+        // Nothing cached: compiled, loaded, kept.
+        assert_eq!(load_kernels(&path, compile(&ours), load).unwrap(), (ours.len(), "compiled"));
+        assert_eq!(load_from_cache(&path).as_deref(), Some(&ours[..]));
+        // Cached and accepted: not compiled.
+        assert_eq!(load_kernels(&path, compile(&ours), load).unwrap(), (ours.len(), "cached"));
+        assert_eq!(compiles.get(), 1);
+
+        // A whole file the driver refuses: compiled again, and the cached file replaced.
+        store_in_cache(&path, &foreign);
+        assert_eq!(load_kernels(&path, compile(&ours), load).unwrap(), (ours.len(), "recompiled"));
+        assert_eq!(compiles.get(), 2);
+        assert_eq!(load_from_cache(&path).as_deref(), Some(&ours[..]));
+
+        // Fresh code the driver refuses too: its error, and nothing cached.
+        let _ = std::fs::remove_file(&path);
+        assert!(matches!(load_kernels(&path, compile(&foreign), load), Err(crate::Error::Device(m)) if m == "refused"));
+        assert_eq!(load_from_cache(&path), None);
+        // A failing compile is the error.
+        store_in_cache(&path, &foreign);
+        let failed = load_kernels(&path, || Err(crate::Error::Device("nvrtc".into())), load);
+        assert!(matches!(failed, Err(crate::Error::Device(m)) if m == "nvrtc"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
