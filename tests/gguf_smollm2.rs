@@ -46,7 +46,7 @@ fn greedy_answers_match_the_goldens() {
     let mut e = engine();
     for a in golden["answers"].as_array().unwrap() {
         let messages = json!([{"role": "user", "content": a["prompt"]}]);
-        let prompt = e.chat_prompt(&messages, None, &Map::new()).unwrap();
+        let prompt = e.chat_prompt(&messages, None, &Map::new(), None).unwrap();
         let want_prompt: Vec<u32> = a["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(prompt, want_prompt, "prompt of {}", a["prompt"]);
         let req = GenerateRequest {

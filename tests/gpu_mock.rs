@@ -274,6 +274,9 @@ fn config(max_positions: usize) -> ModelConfig {
         attention_bias: false,
         mlp_bias: false,
         qk_norm: true,
+        rotary_dim: 16,
+        moe: None,
+        hybrid: None,
         bos_token_id: None,
         eos_token_ids: vec![],
     }

@@ -8,7 +8,9 @@ use crate::quant::QuantMatrix;
 use crate::Result;
 
 /// Rotary embedding parameters shared by every layer: `inv_freq[i]` rotates the pair
-/// (x[i], x[i + head_dim/2]) of each head by `position * inv_freq[i]` (the "rotate half" layout).
+/// (x[i], x[i + r/2]) of each head by `position * inv_freq[i]` (the "rotate half" layout), where
+/// r = 2 · inv_freq.len() is the rotated part of the head: all of it, or its first dimensions
+/// (partial rotary, Qwen3.5); the rest passes through.
 #[derive(Debug, Clone)]
 pub struct Rope {
     pub head_dim: usize,
@@ -34,6 +36,42 @@ pub struct QkNorms<'a, B: Backend + ?Sized> {
     pub q: Option<&'a B::Tensor>,
     pub k: Option<&'a B::Tensor>,
     pub eps: f32,
+}
+
+/// A gated MLP `down(silu(gate(x)) * up(x))`: one expert of a mixture of experts.
+pub struct GatedMlp<B: Backend + ?Sized> {
+    pub gate: B::Weight,
+    pub up: B::Weight,
+    pub down: B::Weight,
+}
+
+/// How a token's router logits choose its experts: softmax over every expert, the `top_k`
+/// largest probabilities (ties to the lower index), renormalised to sum to one when `normalize`.
+#[derive(Debug, Clone, Copy)]
+pub struct Routing {
+    pub top_k: usize,
+    pub normalize: bool,
+}
+
+/// Shape of a Gated DeltaNet layer: `key_heads` query/key heads of `key_dim`, each serving
+/// `value_heads / key_heads` consecutive value heads of `value_dim`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaShape {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+impl DeltaShape {
+    /// Channels of the concatenated q | k | v.
+    pub fn qkv_width(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    pub fn state_len(&self) -> usize {
+        self.value_heads * self.key_dim * self.value_dim
+    }
 }
 
 /// What a decode step hands back to the host.
@@ -165,6 +203,50 @@ pub trait Backend: Send + Sync {
         self.norm_rope(&mut q, norms.q, norms.eps, rope, start_pos)?;
         self.norm_rope(&mut k, norms.k, norms.eps, rope, start_pos)?;
         self.attention(&q, &k, v, cache, start_pos, shape)
+    }
+
+    /// Causal depthwise convolution over time, then SiLU: `out[t, c] = silu(Σ_j w[c, j] · x[t−K+1+j, c])`
+    /// for `x [T, C]` and `weight [1, C·K]` (channel-major, oldest tap first), where positions
+    /// before `t = 0` come from `state [1, (K−1)·C]` (the previous K−1 inputs, oldest first),
+    /// which is then replaced by the last K−1 inputs.
+    fn conv1d_silu(&self, _x: &Self::Tensor, _weight: &Self::Tensor, _state: &mut Self::Tensor) -> Result<Self::Tensor> {
+        Err(crate::Error::Unsupported(format!("Gated DeltaNet convolutions on {}", self.describe())))
+    }
+
+    /// The gated delta rule over `qkv [T, 2·Hk·dk + Hv·dv]` (q | k | v after the convolution):
+    /// q and k L2-normalised per head (and q scaled by dk^-1/2), β = sigmoid(b), g = −exp(A_log) ·
+    /// softplus(a + dt_bias) from `a`, `b [T, Hv]`, then per value head with S `[dk, dv]` from
+    /// `state [1, Hv·dk·dv]` (updated): S ← exp(g)·S; S ← S + k ⊗ β(v − Sᵀk); o = Sᵀq.
+    /// Returns `o [T, Hv·dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        _qkv: &Self::Tensor,
+        _a: &Self::Tensor,
+        _b: &Self::Tensor,
+        _a_log: &Self::Tensor,
+        _dt_bias: &Self::Tensor,
+        _state: &mut Self::Tensor,
+        _shape: DeltaShape,
+    ) -> Result<Self::Tensor> {
+        Err(crate::Error::Unsupported(format!("the gated delta rule on {}", self.describe())))
+    }
+
+    /// RMSNorm over groups of `weight.len()` values of `x`, times `weight`, times `silu(z)`.
+    fn gated_rms_norm(&self, _x: &Self::Tensor, _z: &Self::Tensor, _weight: &Self::Tensor, _eps: f32) -> Result<Self::Tensor> {
+        Err(crate::Error::Unsupported(format!("gated RMSNorm on {}", self.describe())))
+    }
+
+    /// `x *= sigmoid(gate)`, elementwise; a `[T, 1]` gate scales each row.
+    fn sigmoid_gate(&self, _x: &mut Self::Tensor, _gate: &Self::Tensor) -> Result<()> {
+        Err(crate::Error::Unsupported(format!("sigmoid gates on {}", self.describe())))
+    }
+
+    /// A mixture of experts on normalised input `xn [T, H]` with router logits `[T, E]`: each
+    /// token's chosen experts' outputs, weighted by their routing probabilities, summed in
+    /// expert order. `[T, H]`.
+    fn moe(&self, _xn: &Self::Tensor, _router_logits: &Self::Tensor, _experts: &[GatedMlp<Self>], _routing: Routing) -> Result<Self::Tensor> {
+        Err(crate::Error::Unsupported(format!("mixture-of-experts layers on {}", self.describe())))
     }
 
     /// Index of the largest of the first `limit` values of a `[1, n]` tensor (lowest index on ties).

@@ -320,7 +320,11 @@ impl Engine {
 
         // Reuse the longest common prefix; at least the last prompt token is run for its logits.
         let prompt = &req.prompt;
-        let reuse = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
+        let mut reuse = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
+        // Recurrent layers hold one state for all cached tokens: usable only to continue them.
+        if reuse < self.cached.len() && !self.model.can_rewind() {
+            reuse = 0;
+        }
         self.cached.truncate(reuse);
         let t0 = Instant::now();
         // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
@@ -339,7 +343,8 @@ impl Engine {
             Ok(sampler.sample(&mut logits, history, prompt.len()))
         };
         let mut history = prompt.clone();
-        let mut next = next_token(&mut self.model, &prompt[reuse..], reuse, &history)?;
+        // A failed step may leave the cache (recurrent states above all) part-written: forget it.
+        let mut next = next_token(&mut self.model, &prompt[reuse..], reuse, &history).inspect_err(|_| self.cached.clear())?;
         self.cached.extend_from_slice(&prompt[reuse..]);
         let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -373,7 +378,7 @@ impl Engine {
                 break;
             }
             let pos = self.cached.len();
-            next = next_token(&mut self.model, &[next], pos, &history)?;
+            next = next_token(&mut self.model, &[next], pos, &history).inspect_err(|_| self.cached.clear())?;
             self.cached.push(history[history.len() - 1]);
         }
         if let (Some(tok), false) = (text_tokenizer, stopped_by_string) {

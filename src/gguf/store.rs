@@ -403,6 +403,9 @@ impl GgufStore {
             attention_bias: self.contains("model.layers.0.self_attn.q_proj.bias"),
             mlp_bias: self.contains("model.layers.0.mlp.up_proj.bias"),
             qk_norm: self.arch == Architecture::Qwen3,
+            rotary_dim: head_dim,
+            moe: None,
+            hybrid: None,
             bos_token_id: id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
         };

@@ -19,11 +19,19 @@ pub const MAX_HEADS: usize = 1024;
 pub const MAX_HEAD_DIM: usize = 1024;
 pub const MAX_VOCAB_SIZE: usize = 1 << 22;
 pub const MAX_POSITIONS: usize = 1 << 24;
+/// Qwen3.5/3.6-MoE has 512 experts; DeepSeek-style models 256.
+pub const MAX_EXPERTS: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Qwen3,
+    /// Qwen3 attention with mixture-of-experts MLPs.
+    Qwen3Moe,
+    /// Qwen3.5/3.6: Gated DeltaNet layers and gated full-attention layers.
+    Qwen35,
+    /// Qwen3.5/3.6 with mixture-of-experts MLPs.
+    Qwen35Moe,
 }
 
 impl Architecture {
@@ -31,7 +39,56 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen35 => "qwen3_5",
+            Architecture::Qwen35Moe => "qwen3_5_moe",
         }
+    }
+}
+
+/// The mixture-of-experts MLP: `num_experts` gated MLPs of `expert_intermediate_size`, of which
+/// each token uses `experts_per_token`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub expert_intermediate_size: usize,
+    /// Renormalise the chosen experts' probabilities to sum to one.
+    pub normalize_top_k: bool,
+    /// A shared expert every token uses, gated by sigmoid; 0 when there is none.
+    pub shared_expert_intermediate_size: usize,
+    /// Per layer: whether its MLP is sparse (the others are dense, of `intermediate_size`).
+    pub sparse_layers: Vec<bool>,
+}
+
+/// The token mixer of one layer of a hybrid model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Gated DeltaNet (`linear_attention`).
+    DeltaNet,
+    /// Gated softmax attention (`full_attention`).
+    Attention,
+}
+
+/// The Gated DeltaNet layers of Qwen3.5/3.6 (config keys `linear_*`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HybridConfig {
+    pub layer_kinds: Vec<LayerKind>,
+    pub conv_kernel: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+}
+
+impl HybridConfig {
+    /// Channels of the q, k, v projection and its convolution.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.value_heads * self.value_head_dim
     }
 }
 
@@ -62,6 +119,10 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Qwen3 normalises each query and key head (RMSNorm over head_dim) before RoPE.
     pub qk_norm: bool,
+    /// Dimensions of each head that rotary embedding turns (head_dim, or a part of it).
+    pub rotary_dim: usize,
+    pub moe: Option<MoeConfig>,
+    pub hybrid: Option<HybridConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -77,17 +138,36 @@ impl ModelConfig {
         })
     }
 
-    pub fn from_json(json: &Value) -> Result<Self> {
-        let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("");
+    pub fn from_json(outer: &Value) -> Result<Self> {
+        let model_type = outer.get("model_type").and_then(Value::as_str).unwrap_or("");
         let arch = match model_type {
             "qwen3" => Architecture::Qwen3,
             "llama" => Architecture::Llama,
+            "qwen3_moe" => Architecture::Qwen3Moe,
+            "qwen3_5" | "qwen3_5_text" => Architecture::Qwen35,
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Architecture::Qwen35Moe,
             "" => return Err(Error::InvalidArgument("config.json has no model_type".into())),
             other => {
                 return Err(Error::Unsupported(format!(
-                    "model_type {other:?} (supported: qwen3, llama)"
+                    "model_type {other:?} (supported: qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, llama)"
                 )))
             }
+        };
+        // The multimodal checkpoints (Qwen3_5ForConditionalGeneration) nest the language model's
+        // config; keys missing there (eos_token_id) fall back to the outer one, and the outer
+        // tie_word_embeddings decides, as in transformers.
+        let json = &match outer.get("text_config").filter(|t| t.is_object()) {
+            Some(text) => {
+                let mut merged = outer.as_object().cloned().unwrap_or_default();
+                merged.remove("text_config");
+                let tie = merged.get("tie_word_embeddings").cloned();
+                merged.extend(text.as_object().cloned().unwrap_or_default());
+                if let Some(tie) = tie {
+                    merged.insert("tie_word_embeddings".into(), tie);
+                }
+                Value::Object(merged)
+            }
+            None => outer.clone(),
         };
         let hidden_size = req_usize(json, "hidden_size")?;
         let num_heads = req_usize(json, "num_attention_heads")?;
@@ -131,6 +211,24 @@ impl ModelConfig {
             .unwrap_or(10_000.0) as f32;
         let scaling = rope.or_else(|| json.get("rope_scaling").filter(|v| v.is_object()));
         let rope_scaling = parse_rope_scaling(scaling)?;
+        let partial_rotary = rope
+            .and_then(|r| r.get("partial_rotary_factor"))
+            .or_else(|| json.get("partial_rotary_factor"))
+            .map(|v| v.as_f64().filter(|f| *f > 0.0 && *f <= 1.0).ok_or_else(|| bad_key("partial_rotary_factor", "in (0, 1]")))
+            .transpose()?
+            // transformers' default for the Qwen3.5 text configs.
+            .unwrap_or(if matches!(arch, Architecture::Qwen35 | Architecture::Qwen35Moe) { 0.25 } else { 1.0 });
+        // Whole pairs of dimensions, as transformers' int(head_dim * factor) with even rounding.
+        let rotary_dim = ((head_dim as f64 * partial_rotary) as usize) / 2 * 2;
+        let num_layers = req_usize(json, "num_hidden_layers")?;
+        let moe = match arch {
+            Architecture::Qwen3Moe | Architecture::Qwen35Moe => Some(moe_config(json, arch, num_layers)?),
+            _ => None,
+        };
+        let hybrid = match arch {
+            Architecture::Qwen35 | Architecture::Qwen35Moe => Some(hybrid_config(json, num_layers)?),
+            _ => None,
+        };
         let eos_token_ids = token_ids(json.get("eos_token_id"), "eos_token_id")?;
         let bos_token_id = token_ids(json.get("bos_token_id"), "bos_token_id")?.first().copied();
 
@@ -138,8 +236,13 @@ impl ModelConfig {
             arch,
             vocab_size: req_usize(json, "vocab_size")?,
             hidden_size,
-            intermediate_size: req_usize(json, "intermediate_size")?,
-            num_layers: req_usize(json, "num_hidden_layers")?,
+            // The MoE models have no dense MLP unless some layers are dense.
+            intermediate_size: match (&moe, opt_usize(json, "intermediate_size")?) {
+                (_, Some(n)) => n,
+                (Some(m), None) => m.expert_intermediate_size,
+                (None, None) => return Err(Error::InvalidArgument("config.json is missing intermediate_size".into())),
+            },
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -150,7 +253,10 @@ impl ModelConfig {
             tie_word_embeddings: json.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             attention_bias: json.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
             mlp_bias: json.get("mlp_bias").and_then(Value::as_bool).unwrap_or(false),
-            qk_norm: arch == Architecture::Qwen3,
+            qk_norm: arch != Architecture::Llama,
+            rotary_dim,
+            moe,
+            hybrid,
             bos_token_id,
             eos_token_ids,
         };
@@ -190,6 +296,46 @@ impl ModelConfig {
                 )));
             }
         }
+        if let Some(m) = &self.moe {
+            let limited = [("num_experts", m.num_experts, MAX_EXPERTS), ("moe_intermediate_size", m.expert_intermediate_size, MAX_INTERMEDIATE_SIZE)];
+            for (key, value, max) in limited {
+                if value == 0 || value > max {
+                    return Err(Error::InvalidArgument(format!("{key} = {value} is outside the supported range 1..={max}")));
+                }
+            }
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return Err(Error::InvalidArgument(format!(
+                    "num_experts_per_tok = {} must be between 1 and num_experts = {}",
+                    m.experts_per_token, m.num_experts
+                )));
+            }
+            if m.shared_expert_intermediate_size > MAX_INTERMEDIATE_SIZE || m.sparse_layers.len() != self.num_layers {
+                return Err(Error::InvalidArgument("shared_expert_intermediate_size or the sparse layers are out of range".into()));
+            }
+        }
+        if let Some(h) = &self.hybrid {
+            let limited = [
+                ("linear_conv_kernel_dim", h.conv_kernel, 64),
+                ("linear_num_key_heads", h.key_heads, MAX_HEADS),
+                ("linear_num_value_heads", h.value_heads, MAX_HEADS),
+                ("linear_key_head_dim", h.key_head_dim, MAX_HEAD_DIM),
+                ("linear_value_head_dim", h.value_head_dim, MAX_HEAD_DIM),
+            ];
+            for (key, value, max) in limited {
+                if value == 0 || value > max {
+                    return Err(Error::InvalidArgument(format!("{key} = {value} is outside the supported range 1..={max}")));
+                }
+            }
+            if h.value_heads % h.key_heads != 0 || h.layer_kinds.len() != self.num_layers {
+                return Err(Error::InvalidArgument(format!(
+                    "linear_num_value_heads = {} is not a multiple of linear_num_key_heads = {}, or layer_types has not one entry per layer",
+                    h.value_heads, h.key_heads
+                )));
+            }
+        }
+        if self.rotary_dim == 0 || self.rotary_dim > self.head_dim || self.rotary_dim % 2 != 0 {
+            return Err(Error::InvalidArgument(format!("rotary dimensions {} for head_dim {}", self.rotary_dim, self.head_dim)));
+        }
         // Within the limits these cannot overflow a 64-bit usize, but they size whole matrices
         // and activation rows, so a narrower target must refuse rather than wrap.
         let [_, hidden, ffn, heads, kv_heads, head_dim, vocab, _] = &sizes;
@@ -223,6 +369,63 @@ struct Size {
     gguf: &'static str,
     value: usize,
     max: usize,
+}
+
+fn moe_config(json: &Value, arch: Architecture, num_layers: usize) -> Result<MoeConfig> {
+    // transformers 5 writes Qwen3-MoE's expert count as num_local_experts.
+    let key = if json.get("num_experts").is_some() { "num_experts" } else { "num_local_experts" };
+    let num_experts = req_usize(json, key)?;
+    let qwen35 = arch == Architecture::Qwen35Moe;
+    // Qwen3.5-MoE always renormalises and has every MLP sparse; Qwen3-MoE says so in its config.
+    let normalize_top_k = qwen35 || json.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false);
+    let sparse_step = opt_usize(json, "decoder_sparse_step")?.unwrap_or(1).max(1);
+    let dense: Vec<usize> = match json.get("mlp_only_layers") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_u64().map(|i| i as usize).ok_or_else(|| bad_key("mlp_only_layers", "a list of layer indices")))
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(bad_key("mlp_only_layers", "a list of layer indices")),
+    };
+    let sparse_layers = (0..num_layers.min(MAX_LAYERS))
+        .map(|i| qwen35 || (!dense.contains(&i) && (i + 1) % sparse_step == 0))
+        .collect();
+    Ok(MoeConfig {
+        num_experts,
+        experts_per_token: req_usize(json, "num_experts_per_tok")?,
+        expert_intermediate_size: req_usize(json, "moe_intermediate_size")?,
+        normalize_top_k,
+        shared_expert_intermediate_size: if qwen35 { req_usize(json, "shared_expert_intermediate_size")? } else { 0 },
+        sparse_layers,
+    })
+}
+
+fn hybrid_config(json: &Value, num_layers: usize) -> Result<HybridConfig> {
+    let layer_kinds = match json.get("layer_types") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("linear_attention") => Ok(LayerKind::DeltaNet),
+                Some("full_attention") => Ok(LayerKind::Attention),
+                _ => Err(bad_key("layer_types", "a list of \"linear_attention\" / \"full_attention\"")),
+            })
+            .collect::<Result<_>>()?,
+        // As transformers: every `full_attention_interval`-th layer is full attention.
+        _ => {
+            let interval = opt_usize(json, "full_attention_interval")?.unwrap_or(4).max(1);
+            (0..num_layers.min(MAX_LAYERS))
+                .map(|i| if (i + 1) % interval == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
+                .collect()
+        }
+    };
+    Ok(HybridConfig {
+        layer_kinds,
+        conv_kernel: req_usize(json, "linear_conv_kernel_dim")?,
+        key_heads: req_usize(json, "linear_num_key_heads")?,
+        value_heads: req_usize(json, "linear_num_value_heads")?,
+        key_head_dim: req_usize(json, "linear_key_head_dim")?,
+        value_head_dim: req_usize(json, "linear_value_head_dim")?,
+    })
 }
 
 fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {

@@ -1,7 +1,10 @@
 //! Model directories: config, weights, generation defaults; and the architectures built from them.
 
 pub mod config;
+mod loader;
+pub mod mlp;
 pub mod qwen3;
+pub mod qwen3_5;
 pub mod safetensors;
 pub mod synthetic;
 pub mod weights;
@@ -47,12 +50,68 @@ pub trait LanguageModel: Send {
         }
     }
     fn backend_description(&self) -> String;
+    /// Whether a step may start at any cached position. Recurrent layers (Gated DeltaNet) keep
+    /// one state for the positions so far: they continue from its end or start again at 0.
+    fn can_rewind(&self) -> bool;
+}
+
+/// What one layer remembers of earlier positions.
+pub enum LayerCache<B: Backend> {
+    /// Keys and values of every position (attention layers).
+    Attention(B::KvCache),
+    /// A Gated DeltaNet layer's last `conv_kernel - 1` inputs to its convolution `[1, (K-1)·C]`
+    /// and its delta-rule state `[1, value_heads·key_dim·value_dim]`.
+    Recurrent { conv: B::Tensor, state: B::Tensor },
+}
+
+impl<B: Backend> LayerCache<B> {
+    pub fn kv(&mut self) -> Result<&mut B::KvCache> {
+        match self {
+            LayerCache::Attention(kv) => Ok(kv),
+            LayerCache::Recurrent { .. } => Err(Error::InvalidArgument("an attention layer got a recurrent cache".into())),
+        }
+    }
+
+    pub fn recurrent(&mut self) -> Result<(&mut B::Tensor, &mut B::Tensor)> {
+        match self {
+            LayerCache::Recurrent { conv, state } => Ok((conv, state)),
+            LayerCache::Attention(_) => Err(Error::InvalidArgument("a recurrent layer got a KV cache".into())),
+        }
+    }
+}
+
+/// One architecture's network, loaded onto a backend.
+pub trait Network<B: Backend>: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+    /// A fresh cache per layer for `capacity` positions (recurrent states start at zero).
+    fn new_cache(&self, b: &B, capacity: usize) -> Result<Vec<LayerCache<B>>>;
+    /// Runs `tokens` at positions `start_pos..` and returns the logits of the last one
+    /// (`[1, vocab_size]`, on the backend). The cache must hold positions `0..start_pos`.
+    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>]) -> Result<B::Tensor>;
+}
+
+fn load_network<B: Backend + 'static>(
+    config: ModelConfig,
+    source: &dyn WeightSource,
+    backend: &B,
+    progress: &mut dyn FnMut(LoadProgress),
+) -> Result<Box<dyn Network<B>>> {
+    Ok(match config.arch {
+        Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+            Box::new(qwen3::Qwen3::load(config, source, backend, progress)?)
+        }
+        Architecture::Qwen35 | Architecture::Qwen35Moe => Box::new(qwen3_5::Qwen35::load(config, source, backend, progress)?),
+    })
 }
 
 pub struct Bound<B: Backend> {
     backend: B,
-    model: qwen3::Qwen3<B>,
-    cache: Vec<B::KvCache>,
+    model: Box<dyn Network<B>>,
+    cache: Vec<LayerCache<B>>,
+    /// The position the recurrent states have reached (None after a failed step: they must
+    /// start again). Models without recurrent layers ignore it.
+    recurrent_at: Option<usize>,
+    recurrent: bool,
     /// Positions the cache was made for. A replayed decode step writes where its device-side
     /// position says, unchecked, so every step is held within this before it reaches a backend.
     ctx_size: usize,
@@ -62,7 +121,7 @@ pub struct Bound<B: Backend> {
     recordable: bool,
 }
 
-impl<B: Backend> Bound<B> {
+impl<B: Backend + 'static> Bound<B> {
     pub fn load(
         backend: B,
         config: ModelConfig,
@@ -70,15 +129,37 @@ impl<B: Backend> Bound<B> {
         ctx_size: usize,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
-        let model = qwen3::Qwen3::load(config, source, &backend, progress)?;
+        let model = load_network(config, source, &backend, progress)?;
         let cache = model.new_cache(&backend, ctx_size)?;
-        Ok(Bound { backend, model, cache, ctx_size, passes: 0, recordable: true })
+        let recurrent = cache.iter().any(|c| matches!(c, LayerCache::Recurrent { .. }));
+        Ok(Bound { backend, model, cache, recurrent_at: Some(0), recurrent, ctx_size, passes: 0, recordable: true })
+    }
+
+    /// Recurrent states continue only from where they are; position 0 starts them again.
+    fn prepare_recurrent(&mut self, start_pos: usize) -> Result<()> {
+        if !self.recurrent {
+            return Ok(());
+        }
+        if start_pos == 0 && self.recurrent_at != Some(0) {
+            self.cache = self.model.new_cache(&self.backend, self.ctx_size)?;
+        } else if self.recurrent_at != Some(start_pos) {
+            return Err(Error::InvalidArgument(format!(
+                "a step at position {start_pos}, but the recurrent layers' state is {}",
+                self.recurrent_at.map_or("lost after a failed step".to_string(), |p| format!("at position {p}"))
+            )));
+        }
+        self.recurrent_at = None;
+        Ok(())
     }
 }
 
-impl<B: Backend> LanguageModel for Bound<B> {
+impl<B: Backend + 'static> LanguageModel for Bound<B> {
     fn config(&self) -> &ModelConfig {
-        &self.model.config
+        self.model.config()
+    }
+
+    fn can_rewind(&self) -> bool {
+        !self.recurrent
     }
 
     fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
@@ -93,17 +174,32 @@ impl<B: Backend> LanguageModel for Bound<B> {
             )));
         }
         // Checked here for every path: a replayed decode step reads its token on the device.
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.model.config().vocab_size;
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidRequest(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
         }
+        self.prepare_recurrent(start_pos)?;
+        let end = start_pos + tokens.len();
+        let out = self.run_step(tokens, start_pos, want)?;
+        self.recurrent_at = Some(end);
+        Ok(out)
+    }
+
+    fn backend_description(&self) -> String {
+        self.backend.describe()
+    }
+}
+
+impl<B: Backend + 'static> Bound<B> {
+    fn run_step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
+        let vocab = self.model.config().vocab_size;
         let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable) {
             if let Some(out) = b.replay_decode(*token, start_pos, want)? {
                 return Ok(out);
             }
             let mut step = || model.forward(b, tokens, start_pos, cache);
-            match b.record_decode(*token, start_pos, model.config.vocab_size, want, &mut step) {
+            match b.record_decode(*token, start_pos, vocab, want, &mut step) {
                 Ok(Some(out)) => return Ok(out),
                 Ok(None) => {}
                 // The driver could not record this step (nothing ran): run it, and the later
@@ -119,10 +215,6 @@ impl<B: Backend> LanguageModel for Bound<B> {
             StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
             StepOutput::TopK { k, limit } => StepResult::Candidates(b.top_k(&logits, k, limit)?),
         })
-    }
-
-    fn backend_description(&self) -> String {
-        self.backend.describe()
     }
 }
 

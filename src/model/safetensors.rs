@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -72,7 +73,29 @@ impl SafetensorsStore {
             }
             store.shards.push((path.clone(), mmap));
         }
+        store.unwrap_language_model();
         Ok(store)
+    }
+
+    /// Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under
+    /// `model.language_model.*`: it is read under the names of a text-only checkpoint, so the
+    /// model code sees one layout. The vision tower (`model.visual.*`) is left unused.
+    fn unwrap_language_model(&mut self) {
+        const WRAPPED: &str = "model.language_model.";
+        if !self.tensors.keys().any(|n| n.starts_with(WRAPPED)) {
+            return;
+        }
+        let names: Vec<String> = self.tensors.keys().filter(|n| n.starts_with(WRAPPED)).cloned().collect();
+        for name in names {
+            if let Some(entry) = self.tensors.remove(&name) {
+                self.tensors.insert(format!("model.{}", &name[WRAPPED.len()..]), entry);
+            }
+        }
+    }
+
+    /// Tensors of a vision tower the text engine does not use.
+    pub fn vision_tensors(&self) -> usize {
+        self.tensors.keys().filter(|n| n.starts_with("model.visual.")).count()
     }
 
     /// (name, dtype, element count, bytes) of every tensor, for `atlas info`.
@@ -138,8 +161,25 @@ impl WeightSource for SafetensorsStore {
         Ok(Box::new(DenseMatrix::from_le_bytes(rows, cols, dtype, self.bytes(entry))))
     }
 
+    fn stacked_matrix(&self, name: &str, shape: [usize; 3], index: usize, rows: Range<usize>) -> Result<Box<dyn QuantMatrix>> {
+        let [count, total_rows, cols] = shape;
+        if index >= count || rows.start > rows.end || rows.end > total_rows {
+            return Err(Error::bad_tensor(name, format!("slice {index}, rows {rows:?} of a {shape:?} tensor")));
+        }
+        let (entry, dtype) = self.checked(name, &shape)?;
+        let elem = dtype_bytes(dtype);
+        let start = (index * total_rows + rows.start) * cols * elem;
+        let bytes = &self.bytes(entry)[start..start + rows.len() * cols * elem];
+        Ok(Box::new(DenseMatrix::from_le_bytes(rows.len(), cols, dtype, bytes)))
+    }
+
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        let (entry, dtype) = self.checked(name, &[len])?;
+        self.array(name, &[len])
+    }
+
+    fn array(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (entry, dtype) = self.checked(name, shape)?;
+        let len = shape.iter().product();
         let m = DenseMatrix::from_le_bytes(1, len, dtype, self.bytes(entry));
         let mut out = vec![0f32; len];
         m.dequant_row(0, &mut out);
@@ -152,6 +192,13 @@ impl WeightSource for SafetensorsStore {
 
     fn tensor_count(&self) -> usize {
         self.tensors.len()
+    }
+}
+
+fn dtype_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => 4,
+        _ => 2,
     }
 }
 

@@ -53,6 +53,9 @@ impl SyntheticSource {
             attention_bias: false,
             mlp_bias: false,
             qk_norm: true,
+            rotary_dim: head_dim,
+            moe: None,
+            hybrid: None,
             bos_token_id: None,
             eos_token_ids: vec![151_645],
         };

@@ -65,6 +65,40 @@ pub trait QuantMatrix: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// Some rows of a matrix, in a given order: one part of a fused projection.
+#[derive(Debug)]
+pub struct RowSelection {
+    inner: std::sync::Arc<dyn QuantMatrix>,
+    rows: Vec<usize>,
+}
+
+impl RowSelection {
+    pub fn new(inner: std::sync::Arc<dyn QuantMatrix>, rows: Vec<usize>) -> crate::Result<Self> {
+        if let Some(bad) = rows.iter().find(|&&r| r >= inner.rows()) {
+            return Err(crate::Error::InvalidArgument(format!("row {bad} of a matrix of {} rows", inner.rows())));
+        }
+        Ok(RowSelection { inner, rows })
+    }
+}
+
+impl QuantMatrix for RowSelection {
+    fn rows(&self) -> usize {
+        self.rows.len()
+    }
+    fn cols(&self) -> usize {
+        self.inner.cols()
+    }
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn storage_bytes(&self) -> usize {
+        self.inner.storage_bytes() / self.inner.rows().max(1) * self.rows.len()
+    }
+    fn dequant_row(&self, row: usize, out: &mut [f32]) {
+        self.inner.dequant_row(self.rows[row], out)
+    }
+}
+
 /// Dot product with a fixed summation order (eight interleaved partial sums, then a fixed tree), so
 /// results are reproducible and the compiler can vectorise the loop.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, Rope};
+use super::{AttentionShape, Backend, DeltaShape, GatedMlp, Rope, Routing};
 use crate::quant::{dot, QuantMatrix};
 use crate::{Error, Result};
 
@@ -60,6 +60,61 @@ fn same_shape(a: &CpuTensor, b: &CpuTensor, op: &str) -> Result<()> {
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+fn softplus(x: f32) -> f32 {
+    // As torch: linear above 20, where exp would only add rounding.
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `x / sqrt(Σx² + 1e-6) · scale`, the L2 normalisation of the delta rule's q and k.
+fn l2_normalized(x: &[f32], scale: f32) -> Vec<f32> {
+    let inv = 1.0 / (dot(x, x) + 1e-6).sqrt();
+    x.iter().map(|v| v * inv * scale).collect()
+}
+
+/// One value head's slice of every token's output row `[T, heads·dv]`, for a task that owns it.
+struct HeadRows<'a> {
+    rows: Vec<&'a mut [f32]>,
+}
+
+impl HeadRows<'_> {
+    fn token(&mut self, t: usize) -> &mut [f32] {
+        self.rows[t]
+    }
+}
+
+fn out_heads(out: &mut [f32], t: usize, heads: usize, dv: usize) -> Vec<HeadRows<'_>> {
+    let mut per_head: Vec<HeadRows<'_>> = (0..heads).map(|_| HeadRows { rows: Vec::with_capacity(t) }).collect();
+    for row in out.chunks_exact_mut(heads * dv) {
+        for (h, slice) in row.chunks_exact_mut(dv).enumerate() {
+            per_head[h].rows.push(slice);
+        }
+    }
+    per_head
+}
+
+/// A token's experts and their weights, in expert order: softmax over the logits, the `top_k`
+/// largest (ties to the lower index), renormalised when asked.
+fn route(logits: &[f32], routing: Routing) -> Vec<(usize, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<(usize, f32)> = order[..routing.top_k].iter().map(|&i| (i, exp[i] / sum)).collect();
+    if routing.normalize {
+        let total: f32 = chosen.iter().map(|c| c.1).sum();
+        for c in &mut chosen {
+            c.1 /= total;
+        }
+    }
+    chosen.sort_by_key(|c| c.0);
+    chosen
 }
 
 impl Backend for CpuBackend {
@@ -161,8 +216,8 @@ impl Backend for CpuBackend {
 
     fn rope(&self, x: &mut CpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
-        let half = d / 2;
-        if x.cols % d != 0 || rope.inv_freq.len() != half {
+        let half = rope.inv_freq.len();
+        if d == 0 || x.cols % d != 0 || 2 * half > d {
             return Err(Error::InvalidArgument(format!("rope: width {} and head_dim {d} disagree", x.cols)));
         }
         let cols = x.cols;
@@ -245,6 +300,149 @@ impl Backend for CpuBackend {
             *a += b;
         }
         Ok(())
+    }
+
+    fn conv1d_silu(&self, x: &CpuTensor, weight: &CpuTensor, state: &mut CpuTensor) -> Result<CpuTensor> {
+        let (t, c) = (x.rows, x.cols);
+        let k = if c == 0 { 0 } else { weight.data.len() / c };
+        if k == 0 || weight.data.len() != c * k || state.data.len() != (k - 1) * c {
+            return Err(Error::InvalidArgument(format!(
+                "conv1d: {c} channels, weight of {} values, state of {}",
+                weight.data.len(),
+                state.data.len()
+            )));
+        }
+        // The window over time: the K−1 remembered inputs, then this call's.
+        let mut window = state.data.clone();
+        window.extend_from_slice(&x.data);
+        let mut out = vec![0f32; t * c];
+        for (tok, row) in out.chunks_exact_mut(c).enumerate() {
+            for (ch, o) in row.iter_mut().enumerate() {
+                let taps = &weight.data[ch * k..(ch + 1) * k];
+                let sum: f32 = taps.iter().enumerate().map(|(j, w)| w * window[(tok + j) * c + ch]).sum();
+                *o = silu(sum);
+            }
+        }
+        state.data.copy_from_slice(&window[t * c..]);
+        Ok(CpuTensor::new(t, c, out))
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &CpuTensor,
+        dt_bias: &CpuTensor,
+        state: &mut CpuTensor,
+        shape: DeltaShape,
+    ) -> Result<CpuTensor> {
+        let DeltaShape { key_heads, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
+        let t = qkv.rows;
+        let vectors_ok = [a_log, dt_bias].iter().all(|v| v.data.len() == hv);
+        if qkv.cols != shape.qkv_width() || [a, b].iter().any(|g| (g.rows, g.cols) != (t, hv)) || !vectors_ok
+            || state.data.len() != shape.state_len() || key_heads == 0 || hv % key_heads != 0
+        {
+            return Err(Error::InvalidArgument(format!("gated_delta_rule: inputs disagree with {shape:?}")));
+        }
+        let group = hv / key_heads;
+        let (k_off, v_off) = (key_heads * dk, 2 * key_heads * dk);
+        let mut out = vec![0f32; t * hv * dv];
+        // One task per value head: its state is its own, its tokens run in order.
+        self.pool.install(|| {
+            state.data.par_chunks_mut(dk * dv).zip(out_heads(&mut out, t, hv, dv)).enumerate().for_each(|(h, (s, mut o))| {
+                let kh = h / group;
+                let decay_rate = -a_log.data[h].exp();
+                for tok in 0..t {
+                    let row = qkv.row(tok);
+                    let q = l2_normalized(&row[kh * dk..][..dk], 1.0 / (dk as f32).sqrt());
+                    let k = l2_normalized(&row[k_off + kh * dk..][..dk], 1.0);
+                    let v = &row[v_off + h * dv..][..dv];
+                    let beta = 1.0 / (1.0 + (-b.row(tok)[h]).exp());
+                    let decay = (decay_rate * softplus(a.row(tok)[h] + dt_bias.data[h])).exp();
+                    for x in s.iter_mut() {
+                        *x *= decay;
+                    }
+                    // S is [dk, dv]: row i holds key dimension i.
+                    let mut recalled = vec![0f32; dv];
+                    for (ki, srow) in k.iter().zip(s.chunks_exact(dv)) {
+                        for (r, sv) in recalled.iter_mut().zip(srow) {
+                            *r += ki * sv;
+                        }
+                    }
+                    for (ki, srow) in k.iter().zip(s.chunks_exact_mut(dv)) {
+                        for ((sv, vj), rj) in srow.iter_mut().zip(v).zip(&recalled) {
+                            *sv += ki * beta * (vj - rj);
+                        }
+                    }
+                    let o_tok = o.token(tok);
+                    o_tok.fill(0.0);
+                    for (qi, srow) in q.iter().zip(s.chunks_exact(dv)) {
+                        for (ov, sv) in o_tok.iter_mut().zip(srow) {
+                            *ov += qi * sv;
+                        }
+                    }
+                }
+            })
+        });
+        Ok(CpuTensor::new(t, hv * dv, out))
+    }
+
+    fn gated_rms_norm(&self, x: &CpuTensor, z: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
+        same_shape(x, z, "gated_rms_norm")?;
+        let mut out = self.rms_norm(x, weight, eps)?;
+        for (o, g) in out.data.iter_mut().zip(&z.data) {
+            *o *= silu(*g);
+        }
+        Ok(out)
+    }
+
+    fn sigmoid_gate(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
+        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
+            return Err(Error::InvalidArgument(format!(
+                "sigmoid_gate: gate [{}, {}] for x [{}, {}]",
+                gate.rows, gate.cols, x.rows, x.cols
+            )));
+        }
+        let (cols, gate_cols) = (x.cols, gate.cols);
+        for (i, v) in x.data.iter_mut().enumerate() {
+            let g = gate.data[i / cols * gate_cols + (i % cols) % gate_cols];
+            *v /= 1.0 + (-g).exp();
+        }
+        Ok(())
+    }
+
+    fn moe(&self, xn: &CpuTensor, router_logits: &CpuTensor, experts: &[GatedMlp<Self>], routing: Routing) -> Result<CpuTensor> {
+        let (t, h, e) = (xn.rows, xn.cols, experts.len());
+        if router_logits.rows != t || router_logits.cols != e || routing.top_k == 0 || routing.top_k > e {
+            return Err(Error::InvalidArgument(format!(
+                "moe: {t} tokens, router logits [{}, {}], {e} experts, top {}",
+                router_logits.rows, router_logits.cols, routing.top_k
+            )));
+        }
+        // Per expert, the tokens routed to it and their weights.
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        for tok in 0..t {
+            for (expert, weight) in route(router_logits.row(tok), routing) {
+                routed[expert].push((tok, weight));
+            }
+        }
+        let mut out = vec![0f32; t * h];
+        for (mlp, tokens) in experts.iter().zip(&routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let rows: Vec<f32> = tokens.iter().flat_map(|&(tok, _)| xn.row(tok).iter().copied()).collect();
+            let x = CpuTensor::new(tokens.len(), h, rows);
+            let act = self.silu_mul(&self.linear(&x, &mlp.gate, None)?, &self.linear(&x, &mlp.up, None)?)?;
+            let y = self.linear(&act, &mlp.down, None)?;
+            for (i, &(tok, weight)) in tokens.iter().enumerate() {
+                for (o, v) in out[tok * h..(tok + 1) * h].iter_mut().zip(y.row(i)) {
+                    *o += weight * v;
+                }
+            }
+        }
+        Ok(CpuTensor::new(t, h, out))
     }
 
     fn last_row(&self, x: &CpuTensor) -> Result<CpuTensor> {

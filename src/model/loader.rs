@@ -1,0 +1,99 @@
+//! Loading a network's tensors onto a backend, one by one, with progress.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::weights::{LoadProgress, WeightSource};
+use crate::backend::{Backend, Proj};
+use crate::quant::{QuantMatrix, RowSelection};
+use crate::Result;
+
+/// A projection's weight and optional bias.
+pub struct Linear<B: Backend> {
+    pub weight: B::Weight,
+    pub bias: Option<B::Tensor>,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn proj(&self) -> Proj<'_, B> {
+        Proj { weight: &self.weight, bias: self.bias.as_ref() }
+    }
+}
+
+/// Loads tensors one by one, reporting progress after each.
+pub struct Loader<'a, B: Backend> {
+    pub backend: &'a B,
+    pub source: &'a dyn WeightSource,
+    pub progress: &'a mut dyn FnMut(LoadProgress),
+    pub done: LoadProgress,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn tick(&mut self, tensors: usize, bytes: u64) {
+        self.done.tensors_done += tensors;
+        self.done.bytes_done += bytes;
+        (self.progress)(self.done);
+    }
+
+    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Weight> {
+        let m = self.source.matrix(name, rows, cols)?;
+        let bytes = m.storage_bytes() as u64;
+        let w = self.backend.upload_weight(m)?;
+        self.tick(1, bytes);
+        Ok(w)
+    }
+
+    /// Rows `rows` of slice `index` of a stacked `[count, rows, cols]` tensor; the tensor counts
+    /// as loaded with its last slice.
+    pub fn stacked(&mut self, name: &str, shape: [usize; 3], index: usize, rows: Range<usize>) -> Result<B::Weight> {
+        let last = index + 1 == shape[0] && rows.end == shape[1];
+        let m = self.source.stacked_matrix(name, shape, index, rows)?;
+        let bytes = m.storage_bytes() as u64;
+        let w = self.backend.upload_weight(m)?;
+        self.tick(usize::from(last), bytes);
+        Ok(w)
+    }
+
+    pub fn vector(&mut self, name: &str, len: usize) -> Result<B::Tensor> {
+        let v = self.source.vector(name, len)?;
+        let t = self.backend.upload_vector(&v)?;
+        self.tick(1, len as u64 * 4);
+        Ok(t)
+    }
+
+    /// A zero-centred RMSNorm weight (Qwen3.5 stores w and scales by 1 + w): loaded as 1 + w.
+    pub fn centred_norm(&mut self, name: &str, len: usize) -> Result<B::Tensor> {
+        let v: Vec<f32> = self.source.vector(name, len)?.iter().map(|w| 1.0 + w).collect();
+        let t = self.backend.upload_vector(&v)?;
+        self.tick(1, len as u64 * 4);
+        Ok(t)
+    }
+
+    /// A small tensor of any shape as one `[1, n]` row.
+    pub fn array(&mut self, name: &str, shape: &[usize]) -> Result<B::Tensor> {
+        let v = self.source.array(name, shape)?;
+        let t = self.backend.upload_vector(&v)?;
+        self.tick(1, v.len() as u64 * 4);
+        Ok(t)
+    }
+
+    /// A `[rows, cols]` matrix split into parts, each part the listed rows in that order (a fused
+    /// projection whose outputs the model uses separately).
+    pub fn split_rows(&mut self, name: &str, rows: usize, cols: usize, parts: Vec<Vec<usize>>) -> Result<Vec<B::Weight>> {
+        let whole: Arc<dyn QuantMatrix> = Arc::from(self.source.matrix(name, rows, cols)?);
+        let bytes = whole.storage_bytes() as u64;
+        let weights = parts
+            .into_iter()
+            .map(|part| self.backend.upload_weight(Box::new(RowSelection::new(whole.clone(), part)?)))
+            .collect::<Result<Vec<_>>>()?;
+        self.tick(1, bytes);
+        Ok(weights)
+    }
+
+    pub fn linear(&mut self, prefix: &str, rows: usize, cols: usize, with_bias: bool) -> Result<Linear<B>> {
+        let weight = self.matrix(&format!("{prefix}.weight"), rows, cols)?;
+        let bias = if with_bias { Some(self.vector(&format!("{prefix}.bias"), rows)?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+}
+

@@ -1,0 +1,126 @@
+//! The feed-forward half of a decoder layer: a dense gated MLP, or the sparse mixture of experts
+//! of Qwen3-MoE and Qwen3.5/3.6-MoE:
+//!
+//!   xn     = rms_norm(x)                                  [T, H]
+//!   route  = top_k(softmax(router · xn))                  per token: k experts and weights
+//!   y      = Σ_route weight · down(silu(gate(xn)) * up(xn))
+//!   y     += sigmoid(shared_expert_gate · xn) · shared_expert(xn)   (Qwen3.5 only)
+//!
+//! Experts are read from either layout a checkpoint ships: one tensor per expert
+//! (`experts.N.gate_proj.weight`, ...) or transformers 5's fused `experts.gate_up_proj`
+//! `[E, 2·I, H]` (gate rows first) and `experts.down_proj` `[E, H, I]`.
+
+use super::config::{MoeConfig, ModelConfig};
+use super::loader::{Linear, Loader};
+use crate::backend::{Backend, GatedMlp, Routing};
+use crate::Result;
+
+/// `down(silu(gate(x)) * up(x))`, with biases where the checkpoint has them (Llama's mlp_bias).
+pub struct Mlp<B: Backend> {
+    gate_proj: Linear<B>,
+    up_proj: Linear<B>,
+    down_proj: Linear<B>,
+}
+
+pub enum FeedForward<B: Backend> {
+    Dense(Mlp<B>),
+    Sparse(SparseMoe<B>),
+}
+
+impl<B: Backend> FeedForward<B> {
+    /// Layer `layer`'s `{prefix}` (`model.layers.N.mlp`): sparse where the config says so.
+    pub fn load(ld: &mut Loader<'_, B>, prefix: &str, layer: usize, c: &ModelConfig) -> Result<Self> {
+        let (h, ffn, bias) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
+        match &c.moe {
+            Some(moe) if moe.sparse_layers.get(layer) == Some(&true) => Ok(FeedForward::Sparse(SparseMoe::load(ld, prefix, h, moe)?)),
+            _ => Ok(FeedForward::Dense(Mlp {
+                gate_proj: ld.linear(&format!("{prefix}.gate_proj"), ffn, h, bias)?,
+                up_proj: ld.linear(&format!("{prefix}.up_proj"), ffn, h, bias)?,
+                down_proj: ld.linear(&format!("{prefix}.down_proj"), h, ffn, bias)?,
+            })),
+        }
+    }
+
+    /// `x += mlp(rms_norm(x))`.
+    pub fn forward_add(&self, b: &B, x: &mut B::Tensor, norm: &B::Tensor, eps: f32) -> Result<()> {
+        match self {
+            FeedForward::Dense(m) => {
+                let h = b.norm_silu_gate_up(x, norm, eps, m.gate_proj.proj(), m.up_proj.proj())?; // [T, ffn]
+                b.linear_add(&h, &m.down_proj.weight, m.down_proj.bias.as_ref(), x) // x += down_proj(h)
+            }
+            FeedForward::Sparse(moe) => {
+                let y = moe.forward(b, x, norm, eps)?; // [T, H]
+                b.add_assign(x, &y)
+            }
+        }
+    }
+}
+
+pub struct SparseMoe<B: Backend> {
+    /// The router, `[E, H]`.
+    gate: B::Weight,
+    experts: Vec<GatedMlp<B>>,
+    shared_expert: Option<SharedExpert<B>>,
+    routing: Routing,
+}
+
+struct SharedExpert<B: Backend> {
+    mlp: GatedMlp<B>,
+    /// `[1, H]`: the shared expert's output is scaled by sigmoid of this projection.
+    gate: B::Weight,
+}
+
+impl<B: Backend> SparseMoe<B> {
+    /// Loads `{prefix}.gate`, `{prefix}.experts...` and, when the config has one, the shared expert.
+    pub fn load(ld: &mut Loader<'_, B>, prefix: &str, hidden: usize, moe: &MoeConfig) -> Result<Self> {
+        let (e, i) = (moe.num_experts, moe.expert_intermediate_size);
+        let gate = ld.matrix(&format!("{prefix}.gate.weight"), e, hidden)?;
+        let per_expert = ld.source.contains(&format!("{prefix}.experts.0.gate_proj.weight"));
+        let mut experts = Vec::with_capacity(e);
+        for n in 0..e {
+            experts.push(if per_expert {
+                gated_mlp(ld, &format!("{prefix}.experts.{n}"), hidden, i)?
+            } else {
+                let gate_up = format!("{prefix}.experts.gate_up_proj");
+                let down = format!("{prefix}.experts.down_proj");
+                GatedMlp {
+                    gate: ld.stacked(&gate_up, [e, 2 * i, hidden], n, 0..i)?,
+                    up: ld.stacked(&gate_up, [e, 2 * i, hidden], n, i..2 * i)?,
+                    down: ld.stacked(&down, [e, hidden, i], n, 0..hidden)?,
+                }
+            });
+        }
+        let shared_expert = match moe.shared_expert_intermediate_size {
+            0 => None,
+            si => Some(SharedExpert {
+                mlp: gated_mlp(ld, &format!("{prefix}.shared_expert"), hidden, si)?,
+                gate: ld.matrix(&format!("{prefix}.shared_expert_gate.weight"), 1, hidden)?,
+            }),
+        };
+        let routing = Routing { top_k: moe.experts_per_token, normalize: moe.normalize_top_k };
+        Ok(SparseMoe { gate, experts, shared_expert, routing })
+    }
+
+    /// The MLP's output for the residual stream, from the un-normalised `x [T, H]`.
+    pub fn forward(&self, b: &B, x: &B::Tensor, norm: &B::Tensor, eps: f32) -> Result<B::Tensor> {
+        let xn = b.rms_norm(x, norm, eps)?; // [T, H]
+        let logits = b.linear(&xn, &self.gate, None)?; // [T, E]
+        let mut y = b.moe(&xn, &logits, &self.experts, self.routing)?; // [T, H]
+        if let Some(shared) = &self.shared_expert {
+            let mlp = &shared.mlp;
+            let h = b.silu_mul(&b.linear(&xn, &mlp.gate, None)?, &b.linear(&xn, &mlp.up, None)?)?;
+            let mut s = b.linear(&h, &mlp.down, None)?; // [T, H]
+            b.sigmoid_gate(&mut s, &b.linear(&xn, &shared.gate, None)?)?; // s *= sigmoid([T, 1])
+            b.add_assign(&mut y, &s)?;
+        }
+        Ok(y)
+    }
+}
+
+fn gated_mlp<B: Backend>(ld: &mut Loader<'_, B>, prefix: &str, hidden: usize, inner: usize) -> Result<GatedMlp<B>> {
+    Ok(GatedMlp {
+        gate: ld.matrix(&format!("{prefix}.gate_proj.weight"), inner, hidden)?,
+        up: ld.matrix(&format!("{prefix}.up_proj.weight"), inner, hidden)?,
+        down: ld.matrix(&format!("{prefix}.down_proj.weight"), hidden, inner)?,
+    })
+}

@@ -1,0 +1,207 @@
+//! Qwen3.5 / Qwen3.6: a hybrid of Gated DeltaNet layers (`linear_attn`, a recurrent linear
+//! attention) and gated full-attention layers (`self_attn`), with dense or mixture-of-experts
+//! MLPs. Field names mirror the Hugging Face tensor names (`model.layers.N.linear_attn.in_proj_qkv`).
+//!
+//! Per layer, with T new tokens and H = hidden_size:
+//!   Gated DeltaNet:  xn = norm(x)
+//!                    q|k|v = silu(conv1d(in_proj_qkv(xn)))            causal, kernel K, with state
+//!                    o = delta_rule(q, k, v, β = σ(in_proj_b xn), g = −e^A_log · softplus(in_proj_a xn + dt_bias))
+//!                    h = x + out_proj(rms_norm(o) · silu(in_proj_z xn))      per value head
+//!   gated attention: q|gate = q_proj(xn) (per head: d query values, then d gate values)
+//!                    h = x + o_proj(attn(rope(q_norm q), rope(k_norm k_proj xn), v_proj xn) · σ(gate))
+//!                    rope turns only the first rotary_dim values of each head
+//!   out = h + mlp(norm(h))
+//! Every RMSNorm here is zero-centred (scale 1 + w, folded in at load) except the DeltaNet
+//! output norm, which scales by w.
+
+use super::config::{HybridConfig, LayerKind, ModelConfig};
+use super::loader::Loader;
+use super::mlp::FeedForward;
+use super::qwen3::inv_freq;
+use super::weights::{LoadProgress, WeightSource};
+use super::{LayerCache, Network};
+use crate::backend::{AttentionShape, Backend, DeltaShape, QkNorms, Rope};
+use crate::{Error, Result};
+
+struct GatedDeltaNet<B: Backend> {
+    in_proj_qkv: B::Weight,
+    in_proj_z: B::Weight,
+    in_proj_b: B::Weight,
+    in_proj_a: B::Weight,
+    /// `[C, 1, K]` as one row.
+    conv1d: B::Tensor,
+    a_log: B::Tensor,
+    dt_bias: B::Tensor,
+    norm: B::Tensor,
+    out_proj: B::Weight,
+}
+
+struct GatedAttention<B: Backend> {
+    /// q_proj's query rows and its gate rows, separated at load.
+    q_proj: B::Weight,
+    q_gate: B::Weight,
+    k_proj: B::Weight,
+    v_proj: B::Weight,
+    o_proj: B::Weight,
+    q_norm: B::Tensor,
+    k_norm: B::Tensor,
+}
+
+enum Mixer<B: Backend> {
+    DeltaNet(GatedDeltaNet<B>),
+    Attention(GatedAttention<B>),
+}
+
+struct DecoderLayer<B: Backend> {
+    input_layernorm: B::Tensor,
+    mixer: Mixer<B>,
+    post_attention_layernorm: B::Tensor,
+    mlp: FeedForward<B>,
+}
+
+pub struct Qwen35<B: Backend> {
+    config: ModelConfig,
+    hybrid: HybridConfig,
+    embed_tokens: B::Weight,
+    layers: Vec<DecoderLayer<B>>,
+    norm: B::Tensor,
+    lm_head: Option<B::Weight>,
+    rope: Rope,
+}
+
+impl<B: Backend> Qwen35<B> {
+    pub fn load(
+        config: ModelConfig,
+        source: &dyn WeightSource,
+        backend: &B,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        config.validate()?;
+        let hybrid = config.hybrid.clone().ok_or_else(|| Error::InvalidArgument("a Qwen3.5 config without its linear_* keys".into()))?;
+        let c = &config;
+        super::qwen3::check_layers_present(c, source)?;
+        let h = c.hidden_size;
+        let done = LoadProgress { tensors_done: 0, tensors_total: source.tensor_count(), bytes_done: 0 };
+        let mut ld = Loader { backend, source, progress, done };
+
+        let embed_tokens = ld.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (i, kind) in hybrid.layer_kinds.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mixer = match kind {
+                LayerKind::DeltaNet => Mixer::DeltaNet(load_delta_net(&mut ld, &format!("{p}.linear_attn"), c, &hybrid)?),
+                LayerKind::Attention => Mixer::Attention(load_attention(&mut ld, &format!("{p}.self_attn"), c)?),
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: ld.centred_norm(&format!("{p}.input_layernorm.weight"), h)?,
+                mixer,
+                post_attention_layernorm: ld.centred_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                mlp: FeedForward::load(&mut ld, &format!("{p}.mlp"), i, c)?,
+            });
+        }
+        let norm = ld.centred_norm("model.norm.weight", h)?;
+        let lm_head = if c.tie_word_embeddings || !source.contains("lm_head.weight") {
+            None
+        } else {
+            Some(ld.matrix("lm_head.weight", c.vocab_size, h)?)
+        };
+        let rope = Rope { head_dim: c.head_dim, inv_freq: inv_freq(c) };
+        Ok(Qwen35 { config, hybrid, embed_tokens, layers, norm, lm_head, rope })
+    }
+
+    fn delta_shape(&self) -> DeltaShape {
+        let h = &self.hybrid;
+        DeltaShape { key_heads: h.key_heads, value_heads: h.value_heads, key_dim: h.key_head_dim, value_dim: h.value_head_dim }
+    }
+}
+
+fn load_delta_net<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig, hy: &HybridConfig) -> Result<GatedDeltaNet<B>> {
+    let (h, conv, vd, vh) = (c.hidden_size, hy.conv_dim(), hy.value_dim(), hy.value_heads);
+    Ok(GatedDeltaNet {
+        in_proj_qkv: ld.matrix(&format!("{p}.in_proj_qkv.weight"), conv, h)?,
+        in_proj_z: ld.matrix(&format!("{p}.in_proj_z.weight"), vd, h)?,
+        in_proj_b: ld.matrix(&format!("{p}.in_proj_b.weight"), vh, h)?,
+        in_proj_a: ld.matrix(&format!("{p}.in_proj_a.weight"), vh, h)?,
+        conv1d: ld.array(&format!("{p}.conv1d.weight"), &[conv, 1, hy.conv_kernel])?,
+        a_log: ld.vector(&format!("{p}.A_log"), vh)?,
+        dt_bias: ld.vector(&format!("{p}.dt_bias"), vh)?,
+        norm: ld.vector(&format!("{p}.norm.weight"), hy.value_head_dim)?,
+        out_proj: ld.matrix(&format!("{p}.out_proj.weight"), h, vd)?,
+    })
+}
+
+fn load_attention<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig) -> Result<GatedAttention<B>> {
+    let (h, d, heads) = (c.hidden_size, c.head_dim, c.num_heads);
+    // q_proj's rows are, per head, d query rows then d gate rows.
+    let rows_of = |offset: usize| -> Vec<usize> { (0..heads).flat_map(|hd| (0..d).map(move |i| hd * 2 * d + offset + i)).collect() };
+    let mut q = ld.split_rows(&format!("{p}.q_proj.weight"), 2 * heads * d, h, vec![rows_of(0), rows_of(d)])?;
+    let (q_gate, q_proj) = (q.pop(), q.pop());
+    let (Some(q_proj), Some(q_gate)) = (q_proj, q_gate) else {
+        return Err(Error::InvalidArgument("q_proj split into two parts".into()));
+    };
+    Ok(GatedAttention {
+        q_proj,
+        q_gate,
+        k_proj: ld.matrix(&format!("{p}.k_proj.weight"), c.kv_width(), h)?,
+        v_proj: ld.matrix(&format!("{p}.v_proj.weight"), c.kv_width(), h)?,
+        o_proj: ld.matrix(&format!("{p}.o_proj.weight"), h, heads * d)?,
+        q_norm: ld.centred_norm(&format!("{p}.q_norm.weight"), d)?,
+        k_norm: ld.centred_norm(&format!("{p}.k_norm.weight"), d)?,
+    })
+}
+
+impl<B: Backend> Network<B> for Qwen35<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn new_cache(&self, b: &B, capacity: usize) -> Result<Vec<LayerCache<B>>> {
+        let hy = &self.hybrid;
+        let conv_state = (hy.conv_kernel - 1) * hy.conv_dim();
+        let delta_state = self.delta_shape().state_len();
+        self.layers
+            .iter()
+            .map(|layer| {
+                Ok(match layer.mixer {
+                    Mixer::DeltaNet(_) => LayerCache::Recurrent {
+                        conv: b.upload_vector(&vec![0.0; conv_state])?,
+                        state: b.upload_vector(&vec![0.0; delta_state])?,
+                    },
+                    Mixer::Attention(_) => LayerCache::Attention(b.new_kv_cache(self.config.kv_width(), capacity)?),
+                })
+            })
+            .collect()
+    }
+
+    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>]) -> Result<B::Tensor> {
+        let c = &self.config;
+        let eps = c.rms_norm_eps;
+        let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+        let mut x = b.embed(&self.embed_tokens, tokens)?; // [T, H]
+        for (layer, layer_cache) in self.layers.iter().zip(cache.iter_mut()) {
+            let norm = &layer.input_layernorm;
+            match &layer.mixer {
+                Mixer::DeltaNet(net) => {
+                    let (conv_state, state) = layer_cache.recurrent()?;
+                    let projs = [&net.in_proj_qkv, &net.in_proj_z, &net.in_proj_b, &net.in_proj_a].map(|w| crate::backend::Proj { weight: w, bias: None });
+                    let [qkv, z, beta, a] = b.norm_linears(&x, norm, eps, projs)?; // [T, C], [T, Hv·dv], [T, Hv] twice
+                    let qkv = b.conv1d_silu(&qkv, &net.conv1d, conv_state)?; // [T, C]
+                    let o = b.gated_delta_rule(&qkv, &a, &beta, &net.a_log, &net.dt_bias, state, self.delta_shape())?; // [T, Hv·dv]
+                    let o = b.gated_rms_norm(&o, &z, &net.norm, eps)?;
+                    b.linear_add(&o, &net.out_proj, None, &mut x)?; // x += out_proj(o)
+                }
+                Mixer::Attention(attn) => {
+                    let projs = [&attn.q_proj, &attn.q_gate, &attn.k_proj, &attn.v_proj].map(|w| crate::backend::Proj { weight: w, bias: None });
+                    let [q, gate, k, v] = b.norm_linears(&x, norm, eps, projs)?; // [T, heads·d] twice, [T, kv_heads·d] twice
+                    let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
+                    let mut o = b.rotary_attention(q, k, &v, norms, &self.rope, layer_cache.kv()?, start_pos, shape)?;
+                    b.sigmoid_gate(&mut o, &gate)?; // o *= σ(gate)
+                    b.linear_add(&o, &attn.o_proj, None, &mut x)?; // x += o_proj(o)
+                }
+            }
+            layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))
+        }
+        let last = b.rms_norm(&b.last_row(&x)?, &self.norm, eps)?; // [1, H]
+        b.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+    }
+}
