@@ -74,6 +74,33 @@ impl DeltaShape {
     }
 }
 
+/// What a network may need beyond the dense decoder, asked of a backend before a model is loaded
+/// onto it, so that a backend without it is refused at load (and `--device auto` moves on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capability {
+    MixtureOfExperts,
+    /// Gated DeltaNet layers: conv1d with state, the gated delta rule, gated RMSNorm.
+    GatedDeltaNet,
+    /// Attention output gated by sigmoid (Qwen3.5's full-attention layers).
+    SigmoidGate,
+    /// Rotary embedding of only the first dimensions of each head.
+    PartialRotary,
+    /// Attention heads of this many values.
+    HeadDim(usize),
+}
+
+impl std::fmt::Display for Capability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Capability::MixtureOfExperts => write!(f, "mixture-of-experts layers"),
+            Capability::GatedDeltaNet => write!(f, "Gated DeltaNet layers"),
+            Capability::SigmoidGate => write!(f, "sigmoid-gated attention"),
+            Capability::PartialRotary => write!(f, "partial rotary embeddings"),
+            Capability::HeadDim(d) => write!(f, "attention heads of {d} values"),
+        }
+    }
+}
+
 /// What a decode step hands back to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepOutput {
@@ -102,6 +129,12 @@ pub trait Backend: Send + Sync {
 
     /// A short human-readable description ("cpu (2 threads)").
     fn describe(&self) -> String;
+
+    /// Whether the ops behind `cap` run here. The ops below that have a default body (an
+    /// Unsupported error) are what a backend without the capability lacks.
+    fn supports(&self, cap: Capability) -> bool {
+        matches!(cap, Capability::HeadDim(_))
+    }
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight>;
     /// A 1-row tensor (norm weights, biases).

@@ -11,12 +11,13 @@ pub use frontend::{check_fits, Frontend};
 pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, StepOutput, StepResult};
 use crate::backend::gpu::{cuda, hip, GpuBackend};
 use crate::chat::ChatTemplate;
 use crate::gguf::GgufStore;
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
-use crate::model::{Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
+use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
@@ -518,17 +519,46 @@ fn bind(
         Device::Cuda => Ok(Box::new(Bound::load(GpuBackend::cuda()?, config, store, ctx_size, progress)?)),
         Device::Hip => Ok(Box::new(Bound::load(GpuBackend::hip()?, config, store, ctx_size, progress)?)),
         // An AMD GPU, else an NVIDIA one, else the CPU; the load report says which. A runtime whose
-        // library opens but finds no device just means "try the next one".
+        // library opens but finds no device just means "try the next one"; a GPU that lacks an
+        // op the model needs is checked before any weight moves, and the CPU runs it instead.
         Device::Auto => {
             let gpu = match hip::available().then(GpuBackend::hip) {
                 Some(Ok(gpu)) => Some(gpu),
                 _ => cuda::available().then(GpuBackend::cuda).and_then(Result::ok),
             };
-            match gpu {
-                Some(gpu) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
-                None => cpu(config, progress),
+            let missing = gpu.as_ref().and_then(|g| required_capabilities(&config).into_iter().find(|c| !g.supports(*c)));
+            match (gpu, missing) {
+                (Some(gpu), None) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
+                (Some(gpu), Some(cap)) => {
+                    let note = format!("{} has no {cap} yet", gpu.describe());
+                    drop(gpu);
+                    Ok(Box::new(Noted { inner: cpu(config, progress)?, note }))
+                }
+                (None, _) => cpu(config, progress),
             }
         }
+    }
+}
+
+/// A model that runs somewhere other than the user might expect, with the reason in its
+/// description (the load report's `device`).
+struct Noted {
+    inner: Box<dyn LanguageModel>,
+    note: String,
+}
+
+impl LanguageModel for Noted {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
+        self.inner.step(tokens, start_pos, want)
+    }
+    fn backend_description(&self) -> String {
+        format!("{} (not the GPU: {})", self.inner.backend_description(), self.note)
+    }
+    fn can_rewind(&self) -> bool {
+        self.inner.can_rewind()
     }
 }
 

@@ -16,7 +16,7 @@ use serde_json::Value;
 pub use config::{Architecture, ModelConfig};
 pub use weights::{LoadProgress, WeightSource};
 
-use crate::backend::{Backend, StepOutput, StepResult};
+use crate::backend::{Backend, Capability, StepOutput, StepResult};
 use crate::{Error, Result};
 
 /// A model bound to a backend with its own KV cache: what the engine drives.
@@ -90,12 +90,30 @@ pub trait Network<B: Backend>: Send + Sync {
     fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>]) -> Result<B::Tensor>;
 }
 
+/// What `config` needs of a backend beyond the dense decoder.
+pub fn required_capabilities(config: &ModelConfig) -> Vec<Capability> {
+    let mut caps = vec![Capability::HeadDim(config.head_dim)];
+    if config.moe.is_some() {
+        caps.push(Capability::MixtureOfExperts);
+    }
+    if config.hybrid.is_some() {
+        caps.extend([Capability::GatedDeltaNet, Capability::SigmoidGate]);
+    }
+    if config.rotary_dim != config.head_dim {
+        caps.push(Capability::PartialRotary);
+    }
+    caps
+}
+
 fn load_network<B: Backend + 'static>(
     config: ModelConfig,
     source: &dyn WeightSource,
     backend: &B,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Box<dyn Network<B>>> {
+    if let Some(cap) = required_capabilities(&config).into_iter().find(|c| !backend.supports(*c)) {
+        return Err(Error::Unsupported(format!("{cap} on {} (a {} model)", backend.describe(), config.arch.name())));
+    }
     Ok(match config.arch {
         Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             Box::new(qwen3::Qwen3::load(config, source, backend, progress)?)

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, DeltaShape, GatedMlp, Rope, Routing};
+use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, Rope, Routing};
 use crate::quant::{dot, QuantMatrix};
 use crate::{Error, Result};
 
@@ -124,6 +124,10 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         format!("cpu ({} threads)", self.pool.current_num_threads())
+    }
+
+    fn supports(&self, _cap: Capability) -> bool {
+        true
     }
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight> {

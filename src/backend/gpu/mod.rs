@@ -12,7 +12,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use self::runtime::{Arg, Runtime};
-use super::{AttentionShape, Backend, Proj, QkNorms, Rope, StepOutput, StepResult};
+use super::{AttentionShape, Backend, Capability, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
 use crate::sampling::MAX_DEVICE_TOP_K;
 use crate::quant::{DType, QuantMatrix};
@@ -584,6 +584,14 @@ impl Backend for GpuBackend {
 
     fn describe(&self) -> String {
         self.rt.describe()
+    }
+
+    fn supports(&self, cap: Capability) -> bool {
+        match cap {
+            // The attention kernels tile heads by 16 values.
+            Capability::HeadDim(d) => d % 16 == 0 && d <= 256,
+            Capability::MixtureOfExperts | Capability::GatedDeltaNet | Capability::SigmoidGate | Capability::PartialRotary => false,
+        }
     }
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<GpuWeight> {
