@@ -112,3 +112,24 @@ fn the_load_report_names_the_architecture() {
         assert_eq!(load(name).report().architecture, arch);
     }
 }
+
+#[test]
+fn the_load_report_says_what_is_not_used() {
+    let unused = load("qwen3_5_vl_tiny").report().unused.clone();
+    assert!(unused.iter().any(|u| u.contains("vision tower")), "{unused:?}");
+    assert!(unused.iter().any(|u| u.contains("mtp.")), "{unused:?}");
+    assert!(load("qwen3_5_tiny").report().unused.is_empty());
+}
+
+#[test]
+fn atlas_info_names_the_architecture_and_the_layer_mix() {
+    for (name, want) in [("qwen3_5_vl_tiny", ["qwen3_5", "LFLF"]), ("qwen3_5_moe_tiny", ["qwen3_5_moe", "LLLF"]), ("qwen3_moe_tiny", ["qwen3_moe", "2 of 8 per token"])] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_atlas"))
+            .args(["info", "--model"])
+            .arg(fixture(name))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && want.iter().all(|w| text.contains(w)), "{name}: {text}");
+    }
+}

@@ -71,6 +71,8 @@ pub struct LoadReport {
     pub vocab_size: usize,
     pub has_tokenizer: bool,
     pub has_chat_template: bool,
+    /// Parts of the checkpoint a text engine does not use (a vision tower, MTP weights).
+    pub unused: Vec<String>,
     pub load_ms: f64,
 }
 
@@ -139,6 +141,7 @@ impl Engine {
             tokenizer: None,
             template: None,
             store: Box::new(source),
+            unused: Vec::new(),
         };
         let mut opts = opts.clone();
         opts.model_dir = PathBuf::from(format!("synthetic:{name}:{format}"));
@@ -148,7 +151,7 @@ impl Engine {
     fn from_parts(parts: Parts, opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
         let start = Instant::now();
         let path = &opts.model_dir;
-        let Parts { config, defaults, tokenizer, template, store } = parts;
+        let Parts { config, defaults, tokenizer, template, store, unused } = parts;
         let ctx_size = resolve_ctx(opts.ctx_size, &config)?;
         let model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
         let report = LoadReport {
@@ -159,6 +162,7 @@ impl Engine {
             vocab_size: model.config().vocab_size,
             has_tokenizer: tokenizer.is_some(),
             has_chat_template: template.is_some(),
+            unused,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
         let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
@@ -439,6 +443,8 @@ struct Parts {
     tokenizer: Option<Tokenizer>,
     template: Option<ChatTemplate>,
     store: Box<dyn WeightSource>,
+    /// What the checkpoint holds that the engine leaves unused, for the load report.
+    unused: Vec<String>,
 }
 
 /// The two layouts a model comes in.
@@ -477,12 +483,21 @@ pub fn model_format(path: &Path) -> Result<ModelFormat> {
 
 fn hf_parts(dir: &Path) -> Result<Parts> {
     let tokenizer_path = dir.join("tokenizer.json");
+    let store = SafetensorsStore::open_dir(dir)?;
+    let unused = [("model.visual.", "vision tower (text only)"), ("mtp.", "multi-token-prediction head")]
+        .iter()
+        .filter_map(|(prefix, what)| match store.count_prefixed(prefix) {
+            0 => None,
+            n => Some(format!("{what}: {n} tensors {prefix}*")),
+        })
+        .collect();
     Ok(Parts {
         config: ModelConfig::from_file(&dir.join("config.json"))?,
         defaults: GenerationDefaults::from_dir(dir)?,
         tokenizer: tokenizer_path.exists().then(|| Tokenizer::from_file(&tokenizer_path)).transpose()?,
         template: ChatTemplate::from_model_dir(dir)?,
-        store: Box::new(SafetensorsStore::open_dir(dir)?),
+        store: Box::new(store),
+        unused,
     })
 }
 
@@ -501,6 +516,7 @@ fn gguf_parts(file: &Path) -> Result<Parts> {
         defaults,
         template,
         store: Box::new(store),
+        unused: Vec::new(),
     })
 }
 

@@ -79,7 +79,8 @@ impl SafetensorsStore {
 
     /// Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under
     /// `model.language_model.*`: it is read under the names of a text-only checkpoint, so the
-    /// model code sees one layout. The vision tower (`model.visual.*`) is left unused.
+    /// model code sees one layout. The vision tower (`model.visual.*`) is left unused (the load
+    /// report says so).
     fn unwrap_language_model(&mut self) {
         const WRAPPED: &str = "model.language_model.";
         if !self.tensors.keys().any(|n| n.starts_with(WRAPPED)) {
@@ -93,9 +94,9 @@ impl SafetensorsStore {
         }
     }
 
-    /// Tensors of a vision tower the text engine does not use.
-    pub fn vision_tensors(&self) -> usize {
-        self.tensors.keys().filter(|n| n.starts_with("model.visual.")).count()
+    /// How many tensors have names starting with `prefix`.
+    pub fn count_prefixed(&self, prefix: &str) -> usize {
+        self.tensors.keys().filter(|n| n.starts_with(prefix)).count()
     }
 
     /// (name, dtype, element count, bytes) of every tensor, for `atlas info`.

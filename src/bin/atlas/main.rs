@@ -167,6 +167,9 @@ pub fn load_engine(opts: &EngineOptions) -> Result<Engine> {
     }
     let r = engine.report();
     eprintln!("loaded {} ({}) on {} in {:.0} ms, context {}", r.model_dir, r.architecture, r.device, r.load_ms, r.ctx_size);
+    for unused in &r.unused {
+        eprintln!("not used: {unused}");
+    }
     Ok(engine)
 }
 
