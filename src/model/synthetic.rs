@@ -1,8 +1,9 @@
 //! Random-weight models of real shapes, for benchmarks that need no download: `qwen3-8b` is the
 //! Qwen3-8B architecture with hash-generated bf16 or fp8 weights (see quant::synthetic), made on
-//! the device by GPU backends.
+//! the device by GPU backends; `qwen3.6-27b` and `qwen3.6-35b-a3b` are the Qwen3.6 hybrid shapes
+//! (Gated DeltaNet, dense and mixture-of-experts).
 
-use super::config::{Architecture, ModelConfig, RopeScaling};
+use super::config::{Architecture, HybridConfig, LayerKind, ModelConfig, MoeConfig, RopeScaling};
 use super::weights::WeightSource;
 use crate::quant::synthetic::SyntheticMatrix;
 use crate::quant::{DType, QuantMatrix};
@@ -31,9 +32,12 @@ impl SyntheticSource {
             "fp8" => DType::F8E4M3,
             other => return Err(Error::InvalidArgument(format!("synthetic format {other:?} (bf16 or fp8)"))),
         };
+        if let Some(config) = qwen36(name) {
+            return Ok(SyntheticSource { config, dtype });
+        }
         let &(_, hidden, ffn, layers, heads, kv, head_dim, vocab, tied) =
             SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
-                let names: Vec<&str> = SHAPES.iter().map(|s| s.0).collect();
+                let names: Vec<&str> = SHAPES.iter().map(|s| s.0).chain(QWEN36).collect();
                 Error::InvalidArgument(format!("synthetic model {name:?} (known: {})", names.join(", ")))
             })?;
         let config = ModelConfig {
@@ -67,6 +71,50 @@ impl SyntheticSource {
     }
 }
 
+const QWEN36: [&str; 2] = ["qwen3.6-27b", "qwen3.6-35b-a3b"];
+
+/// The Qwen3.6 hybrid shapes: three Gated DeltaNet layers, then one gated full-attention layer,
+/// heads of 256 with a quarter of each rotated; GDN heads of 128.
+fn qwen36(name: &str) -> Option<ModelConfig> {
+    // (hidden, ffn, layers, q heads, kv heads, GDN key heads, GDN value heads, experts)
+    let (hidden, ffn, layers, heads, kv, key_heads, value_heads, moe) = match name {
+        "qwen3.6-27b" => (5120, 17408, 64, 24, 4, 16, 48, false),
+        "qwen3.6-35b-a3b" => (2048, 512, 40, 16, 2, 16, 32, true),
+        _ => return None,
+    };
+    let layer_kinds = (0..layers).map(|i| if (i + 1) % 4 == 0 { LayerKind::Attention } else { LayerKind::DeltaNet }).collect();
+    Some(ModelConfig {
+        arch: if moe { Architecture::Qwen35Moe } else { Architecture::Qwen35 },
+        vocab_size: 248_320,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: 256,
+        max_position_embeddings: 262_144,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000_000.0,
+        rope_scaling: RopeScaling::None,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        mlp_bias: false,
+        qk_norm: true,
+        rotary_dim: 64,
+        moe: moe.then(|| MoeConfig {
+            num_experts: 256,
+            experts_per_token: 8,
+            expert_intermediate_size: 512,
+            normalize_top_k: true,
+            shared_expert_intermediate_size: 512,
+            sparse_layers: vec![true; layers],
+        }),
+        hybrid: Some(HybridConfig { layer_kinds, conv_kernel: 4, key_heads, value_heads, key_head_dim: 128, value_head_dim: 128 }),
+        bos_token_id: None,
+        eos_token_ids: vec![248_046],
+    })
+}
+
 /// A per-tensor seed from its name, so every tensor differs and runs agree.
 fn seed_of(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
@@ -86,11 +134,36 @@ impl WeightSource for SyntheticSource {
         Ok(vec![1.0; len])
     }
 
+    /// Convolution kernels: small hashed values (all ones would make every channel alike).
+    fn array(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let n: usize = shape.iter().product();
+        let seed = seed_of(name);
+        Ok((0..n as u64).map(|i| crate::quant::synthetic::value(seed, i, 0.5)).collect())
+    }
+
     fn contains(&self, name: &str) -> bool {
         name != "lm_head.weight" || !self.config.tie_word_embeddings
     }
 
     fn tensor_count(&self) -> usize {
-        self.config.num_layers * 11 + 3
+        let experts = self.config.moe.as_ref().map_or(0, |m| 3 * m.num_experts + 5);
+        self.config.num_layers * (11 + experts) + 3
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shape_is_a_valid_config() {
+        for name in SHAPES.iter().map(|s| s.0).chain(QWEN36) {
+            let source = SyntheticSource::new(name, "fp8").unwrap();
+            source.config().validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let moe = SyntheticSource::new("qwen3.6-35b-a3b", "bf16").unwrap();
+        assert_eq!(moe.config().moe.as_ref().map(|m| m.num_experts), Some(256));
+        let err = SyntheticSource::new("qwen9", "bf16").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("qwen3.6-27b"), "{err}");
     }
 }

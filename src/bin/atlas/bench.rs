@@ -13,7 +13,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     load: LoadArgs,
     /// Benchmark random weights of a real model shape instead of --model, generated on the device:
-    /// qwen3-0.6b, qwen3-1.7b, qwen3-4b or qwen3-8b.
+    /// qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, or the Qwen3.6 hybrids qwen3.6-27b and
+    /// qwen3.6-35b-a3b (Gated DeltaNet; the second with 256 experts).
     #[arg(long)]
     synthetic: Option<String>,
     /// Weight format of the synthetic model's projections: bf16, or fp8 (E4M3 with a scale per
