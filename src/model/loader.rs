@@ -3,6 +3,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::config::ModelConfig;
 use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{Backend, Proj};
 use crate::quant::{QuantMatrix, RowSelection};
@@ -28,7 +29,17 @@ pub struct Loader<'a, B: Backend> {
     pub done: LoadProgress,
 }
 
-impl<B: Backend> Loader<'_, B> {
+impl<'a, B: Backend> Loader<'a, B> {
+    /// A loader for `config`'s network, once the config is checked against the limits and
+    /// against the layers the weights hold: configs may be built in code, not only parsed, and
+    /// everything the network allocates is sized from them.
+    pub fn new(config: &ModelConfig, backend: &'a B, source: &'a dyn WeightSource, progress: &'a mut dyn FnMut(LoadProgress)) -> Result<Self> {
+        config.validate()?;
+        check_layers_present(config, source)?;
+        let done = LoadProgress { tensors_done: 0, tensors_total: source.tensor_count(), bytes_done: 0 };
+        Ok(Loader { backend, source, progress, done })
+    }
+
     fn tick(&mut self, tensors: usize, bytes: u64) {
         self.done.tensors_done += tensors;
         self.done.bytes_done += bytes;
@@ -97,3 +108,18 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+
+/// More layers than the weights hold is refused before anything is sized by the layer count.
+/// Fewer are accepted, as transformers does: running a prefix of a checkpoint's layers is a
+/// legitimate experiment, and a source that makes its weights (synthetic) holds any layer asked for.
+fn check_layers_present(c: &ModelConfig, source: &dyn WeightSource) -> Result<()> {
+    let marker = |i: usize| format!("model.layers.{i}.input_layernorm.weight");
+    let present = (0..c.num_layers).take_while(|&i| source.contains(&marker(i))).count();
+    if present < c.num_layers {
+        return Err(crate::Error::bad_tensor(
+            marker(present),
+            format!("missing: the config declares {} layers but the weights have {present}", c.num_layers),
+        ));
+    }
+    Ok(())
+}

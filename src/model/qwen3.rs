@@ -50,13 +50,9 @@ impl<B: Backend> Qwen3<B> {
         backend: &B,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
-        // Configs may be built in code, not only parsed, and everything below is sized from them.
-        config.validate()?;
+        let mut ld = Loader::new(&config, backend, source, progress)?;
         let c = &config;
-        check_layers_present(c, source)?;
         let (h, q, kv) = (c.hidden_size, c.q_width(), c.kv_width());
-        let done = LoadProgress { tensors_done: 0, tensors_total: source.tensor_count(), bytes_done: 0 };
-        let mut ld = Loader { backend, source, progress, done };
 
         let embed_tokens = ld.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -121,21 +117,6 @@ impl<B: Backend> Network<B> for Qwen3<B> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         b.linear(&last, head, None)
     }
-}
-
-/// More layers than the weights hold is refused before anything is sized by the layer count.
-/// Fewer are accepted, as transformers does: running a prefix of a checkpoint's layers is a
-/// legitimate experiment, and a source that makes its weights (synthetic) holds any layer asked for.
-pub(super) fn check_layers_present(c: &ModelConfig, source: &dyn WeightSource) -> Result<()> {
-    let marker = |i: usize| format!("model.layers.{i}.input_layernorm.weight");
-    let present = (0..c.num_layers).take_while(|&i| source.contains(&marker(i))).count();
-    if present < c.num_layers {
-        return Err(crate::Error::bad_tensor(
-            marker(present),
-            format!("missing: the config declares {} layers but the weights have {present}", c.num_layers),
-        ));
-    }
-    Ok(())
 }
 
 /// Rotary inverse frequencies as transformers computes them, including its rope_type scalings.

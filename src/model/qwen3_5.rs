@@ -76,13 +76,10 @@ impl<B: Backend> Qwen35<B> {
         backend: &B,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
-        config.validate()?;
+        let mut ld = Loader::new(&config, backend, source, progress)?;
         let hybrid = config.hybrid.clone().ok_or_else(|| Error::InvalidArgument("a Qwen3.5 config without its linear_* keys".into()))?;
         let c = &config;
-        super::qwen3::check_layers_present(c, source)?;
         let h = c.hidden_size;
-        let done = LoadProgress { tensors_done: 0, tensors_total: source.tensor_count(), bytes_done: 0 };
-        let mut ld = Loader { backend, source, progress, done };
 
         let embed_tokens = ld.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
