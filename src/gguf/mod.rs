@@ -8,4 +8,4 @@ mod store;
 mod tokenizer;
 
 pub use reader::{GgmlType, GgufFile, MetaArray, MetaValue, TensorInfo, DEFAULT_ALIGNMENT};
-pub use store::{hf_name, unpermute_rows, GgufStore, SpecialTokens};
+pub use store::{hf_name, unpermute_rows, untile_value_heads, GgufStore, SpecialTokens};

@@ -28,6 +28,10 @@ const TOKEN_USER_DEFINED: i128 = 4;
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Qwen3.5: Qwen2's regex with combining marks (\p{M}) kept inside words (transformers'
+/// Qwen3_5Tokenizer PRETOKENIZE_REGEX; llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35).
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// Llama 3 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -48,6 +52,7 @@ fn pre_split(pre: &str) -> Option<PreSplit> {
         // Qwen's tokenizer.json normalises to NFC before splitting; llama.cpp skips that step, which
         // only matters for text that is not already NFC. We follow the original tokenizer.
         "qwen2" | "deepseek-r1-qwen" => PreSplit::Regex { pattern: QWEN2_SPLIT, nfc: true, ignore_merges: false },
+        "qwen35" => PreSplit::Regex { pattern: QWEN35_SPLIT, nfc: true, ignore_merges: false },
         "llama3" | "llama-v3" | "llama-bpe" => {
             PreSplit::Regex { pattern: LLAMA3_SPLIT, nfc: false, ignore_merges: true }
         }
@@ -70,7 +75,7 @@ pub(crate) fn build(file: &GgufFile) -> Result<Tokenizer> {
     let pre_name = file.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
     let split = pre_split(pre_name).ok_or_else(|| {
         Error::Unsupported(format!(
-            "{}: tokenizer.ggml.pre {pre_name:?} (supported: default, gpt2, smollm, starcoder, qwen2, llama-bpe)",
+            "{}: tokenizer.ggml.pre {pre_name:?} (supported: default, gpt2, smollm, starcoder, qwen2, qwen35, llama-bpe)",
             path.display()
         ))
     })?;
