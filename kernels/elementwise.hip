@@ -17,6 +17,15 @@ ATLAS_KERNEL void add_inplace(float* x, const float* y, int n) {
     if (i < n) x[i] += y[i];
 }
 
+// x *= sigmoid(gate) for x [n / cols, cols]: gate [n / cols, cols] (gate_cols = cols), or one gate
+// per row (gate_cols = 1; Qwen3.5's gated attention output).
+ATLAS_KERNEL void sigmoid_gate(float* x, const float* gate, int cols, int gate_cols, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int row = i / cols, col = i % cols;
+    x[i] /= 1.0f + expf(-gate[(long)row * gate_cols + (gate_cols == 1 ? 0 : col)]);
+}
+
 // out[t, :] = table[tokens[t], :] as f32. Grid: (ceil(cols/256), T).
 ATLAS_KERNEL void embed_bf16(const bf16* table, const int* tokens, float* out, int cols) {
     pdl_launch_dependents();

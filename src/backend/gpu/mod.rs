@@ -3,6 +3,7 @@
 //! to bf16 at upload), the KV cache bf16.
 
 pub mod cuda;
+mod delta_net;
 pub mod hip;
 pub mod runtime;
 
@@ -567,6 +568,15 @@ fn as_bytes(data: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), std::mem::size_of_val(data)) }
 }
 
+/// Dynamic shared memory of the fused norm + rotary kernels: the head, for partial rotary only.
+fn partial_rotary_shared(rope: &Rope) -> u32 {
+    if 2 * rope.inv_freq.len() == rope.head_dim {
+        0
+    } else {
+        (rope.head_dim * 4) as u32
+    }
+}
+
 fn same_shape(a: &GpuTensor, b: &GpuTensor, op: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
         return Err(Error::InvalidArgument(format!(
@@ -590,7 +600,8 @@ impl Backend for GpuBackend {
         match cap {
             // The attention kernels tile heads by 16 values.
             Capability::HeadDim(d) => d % 16 == 0 && d <= 256,
-            Capability::MixtureOfExperts | Capability::GatedDeltaNet | Capability::SigmoidGate | Capability::PartialRotary => false,
+            Capability::GatedDeltaNet | Capability::SigmoidGate | Capability::PartialRotary => true,
+            Capability::MixtureOfExperts => false,
         }
     }
 
@@ -646,6 +657,9 @@ impl Backend for GpuBackend {
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<GpuKvCache> {
         let bytes = kv_bytes(capacity, kv_width)?.max(2);
         self.tickets()?;
+        // A recorded decode step points at the caches it was recorded with: a model that makes its
+        // caches afresh (a hybrid one restarting its recurrent states at position 0) records anew.
+        self.forget_recording();
         Ok(GpuKvCache {
             keys: DeviceBuffer::new(&self.rt, bytes)?,
             values: DeviceBuffer::new(&self.rt, bytes)?,
@@ -794,7 +808,7 @@ impl Backend for GpuBackend {
 
     fn norm_rope(&self, x: &mut GpuTensor, norm: Option<&GpuTensor>, eps: f32, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
-        if x.cols % d != 0 || rope.inv_freq.len() != d / 2 || norm.is_some_and(|w| w.cols != d) || d > 2048 {
+        if d == 0 || x.cols % d != 0 || 2 * rope.inv_freq.len() > d || norm.is_some_and(|w| w.cols != d) || d > 2048 {
             return Err(Error::InvalidArgument(format!("norm_rope: width {} and head_dim {d} disagree", x.cols)));
         }
         let freqs = self.rope_freqs(rope)?;
@@ -807,9 +821,11 @@ impl Backend for GpuBackend {
             Arg::I32(start_pos as i32),
             Arg::Ptr(pos_dev),
             Arg::I32(d as i32),
+            Arg::I32(rope.inv_freq.len() as i32),
         ];
         let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
-        self.rt.launch("norm_rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], 0, &args)
+        let shared = partial_rotary_shared(rope);
+        self.rt.launch("norm_rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], shared, &args)
     }
 
     fn rotary_attention(
@@ -824,7 +840,7 @@ impl Backend for GpuBackend {
         shape: AttentionShape,
     ) -> Result<GpuTensor> {
         let d = shape.head_dim;
-        if rope.head_dim != d || rope.inv_freq.len() != d / 2 || [norms.q, norms.k].iter().flatten().any(|w| w.cols != d) {
+        if rope.head_dim != d || 2 * rope.inv_freq.len() > d || [norms.q, norms.k].iter().flatten().any(|w| w.cols != d) {
             return Err(Error::InvalidArgument(format!("rotary_attention: rope or norms disagree with head_dim {d}")));
         }
         let pos_dev = self.prepare_attention(&q, &k, v, cache, start_pos, shape)?;
@@ -844,22 +860,27 @@ impl Backend for GpuBackend {
             Arg::I32(shape.num_heads as i32),
             Arg::I32(shape.num_kv_heads as i32),
             Arg::I32(d as i32),
+            Arg::I32(rope.inv_freq.len() as i32),
         ];
         let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
         let grid = [(shape.num_heads + 2 * shape.num_kv_heads) as u32, q.rows as u32, 1];
-        self.rt.launch("qkv_rope_append", grid, [threads, 1, 1], 0, &args)?;
+        self.rt.launch("qkv_rope_append", grid, [threads, 1, 1], partial_rotary_shared(rope), &args)?;
         self.attend(&q, cache, start_pos, shape)
     }
 
     fn rope(&self, x: &mut GpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
-        let d = rope.head_dim;
-        if x.cols % d != 0 || rope.inv_freq.len() != d / 2 {
+        let (d, half) = (rope.head_dim, rope.inv_freq.len());
+        if d == 0 || x.cols % d != 0 || 2 * half > d {
             return Err(Error::InvalidArgument(format!("rope: width {} and head_dim {d} disagree", x.cols)));
+        }
+        if half == 0 || x.rows == 0 || x.cols == 0 {
+            return Ok(());
         }
         let freqs = self.rope_freqs(rope)?;
         let pos_dev = self.recorded_inputs().map_or(0, |p| p + 4);
-        let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(freqs), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(d as i32)];
-        let threads = (d / 2).next_multiple_of(32) as u32;
+        let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(freqs), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(d as i32), Arg::I32(half as i32)];
+        // Partial rotary (Qwen3.5) turns only the first 2 * half values of each head.
+        let threads = half.next_multiple_of(32) as u32;
         self.rt.launch("rope", [(x.cols / d) as u32, x.rows as u32, 1], [threads, 1, 1], 0, &args)
     }
 
@@ -891,6 +912,32 @@ impl Backend for GpuBackend {
         same_shape(x, y, "add")?;
         let n = x.rows * x.cols;
         self.elementwise("add_inplace", n, &[Arg::Ptr(x.buf.ptr), Arg::Ptr(y.buf.ptr), Arg::I32(n as i32)])
+    }
+
+    // The Qwen3.5 hybrid ops: launches in delta_net.rs.
+    fn conv1d_silu(&self, x: &GpuTensor, weight: &GpuTensor, state: &mut GpuTensor) -> Result<GpuTensor> {
+        self.launch_conv1d_silu(x, weight, state)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &GpuTensor,
+        a: &GpuTensor,
+        b: &GpuTensor,
+        a_log: &GpuTensor,
+        dt_bias: &GpuTensor,
+        state: &mut GpuTensor,
+        shape: super::DeltaShape,
+    ) -> Result<GpuTensor> {
+        self.launch_gated_delta_rule(qkv, a, b, a_log, dt_bias, state, shape)
+    }
+
+    fn gated_rms_norm(&self, x: &GpuTensor, z: &GpuTensor, weight: &GpuTensor, eps: f32) -> Result<GpuTensor> {
+        self.launch_gated_rms_norm(x, z, weight, eps)
+    }
+
+    fn sigmoid_gate(&self, x: &mut GpuTensor, gate: &GpuTensor) -> Result<()> {
+        self.launch_sigmoid_gate(x, gate)
     }
 
     fn last_row(&self, x: &GpuTensor) -> Result<GpuTensor> {

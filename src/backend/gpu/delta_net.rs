@@ -1,0 +1,158 @@
+//! Launches of the Qwen3.5 hybrid ops (kernels/delta_net.hip, and the gated RMSNorm and sigmoid
+//! gate of norm.hip and elementwise.hip): the causal conv1d with state, the recurrent gated delta
+//! rule, the gated RMSNorm, the sigmoid gate. Called from the Backend impl in mod.rs.
+//!
+//! None takes a position and none allocates outside `tensor` (the recording arena while a decode
+//! step is recorded) or downloads: they record into decode graphs as they are. The recurrent
+//! states are updated in place, in buffers that outlive the recording.
+
+use super::runtime::Arg;
+use super::{blocks, same_shape, GpuBackend, GpuTensor, BLOCK};
+use crate::backend::DeltaShape;
+use crate::{Error, Result};
+
+/// Launch shapes fixed by kernels/delta_net.hip (its #defines).
+const CONV_MAX_K: usize = 8;
+const CONV_CHUNK: usize = 64;
+const DN_THREADS: u32 = 128;
+const DN_COLS: usize = 16;
+const DN_MAX_DK: usize = 256;
+/// Grid y and z extents are at most this.
+const MAX_GRID_YZ: usize = 65_535;
+
+/// A size as the kernels' 32-bit int, or an error naming it.
+fn int(what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Unsupported(format!("{what} of {n} on the GPU (the kernels take 32-bit sizes)")))
+}
+
+impl GpuBackend {
+    pub(super) fn launch_conv1d_silu(&self, x: &GpuTensor, weight: &GpuTensor, state: &mut GpuTensor) -> Result<GpuTensor> {
+        let (t, c) = (x.rows, x.cols);
+        let n_weight = weight.rows * weight.cols;
+        let k = if c == 0 { 0 } else { n_weight / c };
+        if k == 0 || n_weight != c * k || state.rows * state.cols != (k - 1) * c {
+            return Err(Error::InvalidArgument(format!(
+                "conv1d: {c} channels, weight of {n_weight} values, state of {}",
+                state.rows * state.cols
+            )));
+        }
+        if k > CONV_MAX_K {
+            return Err(Error::Unsupported(format!("conv1d kernels of {k} taps on the GPU (at most {CONV_MAX_K})")));
+        }
+        let chunks = t.div_ceil(CONV_CHUNK);
+        if chunks > MAX_GRID_YZ {
+            return Err(Error::Unsupported(format!("conv1d over {t} tokens in one call on the GPU")));
+        }
+        int("conv1d input", t * c)?;
+        let out = self.tensor(t, c)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        let args = [
+            Arg::Ptr(x.buf.ptr),
+            Arg::Ptr(weight.buf.ptr),
+            Arg::Ptr(state.buf.ptr),
+            Arg::Ptr(out.buf.ptr),
+            Arg::I32(t as i32),
+            Arg::I32(c as i32),
+            Arg::I32(k as i32),
+        ];
+        self.rt.launch("conv1d_silu", [blocks(c, BLOCK), chunks as u32, 1], [BLOCK, 1, 1], 0, &args)?;
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_gated_delta_rule(
+        &self,
+        qkv: &GpuTensor,
+        a: &GpuTensor,
+        b: &GpuTensor,
+        a_log: &GpuTensor,
+        dt_bias: &GpuTensor,
+        state: &mut GpuTensor,
+        shape: DeltaShape,
+    ) -> Result<GpuTensor> {
+        let DeltaShape { key_heads, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
+        let t = qkv.rows;
+        let vectors_ok = [a_log, dt_bias].iter().all(|v| v.rows * v.cols == hv);
+        if qkv.cols != shape.qkv_width()
+            || [a, b].iter().any(|g| (g.rows, g.cols) != (t, hv))
+            || !vectors_ok
+            || state.rows * state.cols != shape.state_len()
+            || key_heads == 0
+            || hv % key_heads != 0
+        {
+            return Err(Error::InvalidArgument(format!("gated_delta_rule: inputs disagree with {shape:?}")));
+        }
+        if dk > DN_MAX_DK {
+            return Err(Error::Unsupported(format!(
+                "Gated DeltaNet key heads of {dk} values on the GPU (at most {DN_MAX_DK}; value heads of any size)"
+            )));
+        }
+        let col_blocks = dv.div_ceil(DN_COLS);
+        if col_blocks > MAX_GRID_YZ {
+            return Err(Error::Unsupported(format!("Gated DeltaNet value heads of {dv} values on the GPU")));
+        }
+        int("gated delta rule input", t * qkv.cols)?;
+        int("gated delta rule state", shape.state_len())?;
+        let out = self.tensor(t, hv * dv)?;
+        if t == 0 || hv == 0 || dv == 0 {
+            return Ok(out);
+        }
+        let args = [
+            Arg::Ptr(qkv.buf.ptr),
+            Arg::Ptr(a.buf.ptr),
+            Arg::Ptr(b.buf.ptr),
+            Arg::Ptr(a_log.buf.ptr),
+            Arg::Ptr(dt_bias.buf.ptr),
+            Arg::Ptr(state.buf.ptr),
+            Arg::Ptr(out.buf.ptr),
+            Arg::I32(t as i32),
+            Arg::I32(key_heads as i32),
+            Arg::I32(hv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+        ];
+        self.rt.launch("gated_delta_rule", [hv as u32, col_blocks as u32, 1], [DN_THREADS, 1, 1], 0, &args)?;
+        Ok(out)
+    }
+
+    pub(super) fn launch_gated_rms_norm(&self, x: &GpuTensor, z: &GpuTensor, weight: &GpuTensor, eps: f32) -> Result<GpuTensor> {
+        same_shape(x, z, "gated_rms_norm")?;
+        let group = weight.cols;
+        if group == 0 || x.cols % group != 0 {
+            return Err(Error::InvalidArgument(format!("gated_rms_norm: width {} is not a multiple of {group}", x.cols)));
+        }
+        int("gated_rms_norm input", x.rows * x.cols)?;
+        let out = self.tensor(x.rows, x.cols)?;
+        let groups = x.rows * x.cols / group;
+        // As rms_norm: one float4 per thread where possible.
+        let warp = self.rt.warp_size() as usize;
+        let threads = (group / 4).clamp(warp, 1024).next_multiple_of(warp) as u32;
+        let args = [
+            Arg::Ptr(x.buf.ptr),
+            Arg::Ptr(z.buf.ptr),
+            Arg::Ptr(weight.buf.ptr),
+            Arg::Ptr(out.buf.ptr),
+            Arg::I32(group as i32),
+            Arg::F32(eps),
+        ];
+        if groups > 0 {
+            self.rt.launch("gated_rms_norm", [groups as u32, 1, 1], [threads, 1, 1], 0, &args)?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn launch_sigmoid_gate(&self, x: &mut GpuTensor, gate: &GpuTensor) -> Result<()> {
+        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
+            return Err(Error::InvalidArgument(format!(
+                "sigmoid_gate: gate [{}, {}] for x [{}, {}]",
+                gate.rows, gate.cols, x.rows, x.cols
+            )));
+        }
+        let n = x.rows * x.cols;
+        int("sigmoid_gate input", n)?;
+        let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(gate.buf.ptr), Arg::I32(x.cols as i32), Arg::I32(gate.cols as i32), Arg::I32(n as i32)];
+        self.elementwise("sigmoid_gate", n, &args)
+    }
+}
