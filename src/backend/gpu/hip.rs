@@ -3,11 +3,18 @@
 //! compiled by hipRTC for the GPU present and cached on disk as code objects, keyed by source
 //! hash, architecture, options and HIP version.
 //!
-//! Libraries, first found wins (each name through the system search, then by full path in
-//! `$ROCM_PATH/lib`, `$HIP_PATH/lib`, `/opt/rocm/lib`; on Windows the system search is the
-//! application's directory and System32, where the AMD driver installs the HIP runtime, then
-//! `%ROCM_PATH%\bin` and `%HIP_PATH%\bin`: never the current directory or PATH, where anyone may
-//! have put a DLL of the same name):
+//! Libraries, first found wins, each name looked for in every place before the next name:
+//! - Linux: the system search (`LD_LIBRARY_PATH`, ld.so.cache), then by full path in
+//!   `$ROCM_PATH/lib`, `$HIP_PATH/lib`, `/opt/rocm/lib`.
+//! - Windows: (1) the bare name through `LOAD_LIBRARY_SEARCH_DEFAULT_DIRS`: the application's
+//!   directory, then System32, where the AMD driver installs `amdhip64_*.dll`; (2) by full path in
+//!   `%ROCM_PATH%\bin`, then `%HIP_PATH%\bin`, where the HIP SDK installer puts its DLLs
+//!   (hipRTC among them) and which it sets; (3) by full path in each absolute directory of
+//!   `PATH`, in order (relative entries and `.` are skipped). Full paths load with
+//!   `LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR | LOAD_LIBRARY_SEARCH_DEFAULT_DIRS`, so a DLL's own
+//!   dependencies (amd_comgr, hiprtc-builtins) come from its folder or the system. The current
+//!   directory is never searched, for the library or its dependencies: anyone may put a DLL of
+//!   the same name there (DLL planting), while PATH is the user's own choice.
 //! - HIP: `libamdhip64.so.7`, `.so.6`, `.so.5`, `libamdhip64.so`; Windows `amdhip64_7.dll`,
 //!   `amdhip64_6.dll`, `amdhip64.dll`.
 //! - hipRTC, matched to the HIP runtime's version (a newer hipRTC may emit code objects an older
@@ -243,8 +250,26 @@ fn library_dirs(windows: bool) -> Vec<PathBuf> {
             dirs.push(PathBuf::from(root).join(sub));
         }
     }
-    if !windows {
+    if windows {
+        for dir in std::env::var_os("PATH").map(|p| path_dirs(&p)).unwrap_or_default() {
+            if !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
+    } else {
         dirs.push(PathBuf::from("/opt/rocm/lib"));
+    }
+    dirs
+}
+
+/// The absolute directories of a PATH value, in order and without repeats (quotes removed, as
+/// Windows does); relative entries, `.` among them, would be looked up from the current directory.
+fn path_dirs(path: &std::ffi::OsStr) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for dir in std::env::split_paths(path) {
+        if dir.is_absolute() && !dirs.contains(&dir) {
+            dirs.push(dir);
+        }
     }
     dirs
 }
@@ -292,7 +317,7 @@ fn open_first(names: &[String], places: &[Option<PathBuf>], tried: &mut Vec<Stri
                 Ok(lib) => return Some((lib, path)),
                 // Present but unloadable (a missing dependency, glibc 2.41+ refusing a library that
                 // asks for an executable stack, ...): worth telling.
-                Err(e) if path.is_absolute() || !e.to_string().contains("No such file") => reason = Some(e.to_string()),
+                Err(e) if path.is_absolute() || !not_found(&e) => reason = Some(load_error(&e)),
                 Err(_) => {}
             }
         }
@@ -302,6 +327,22 @@ fn open_first(names: &[String], places: &[Option<PathBuf>], tried: &mut Vec<Stri
         });
     }
     None
+}
+
+/// libloading's message with its cause: on Windows only the cause says why (missing dependency,
+/// wrong architecture, ...).
+fn load_error(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(cause) => format!("{e}: {cause}"),
+        None => e.to_string(),
+    }
+}
+
+/// A bare name that the system search did not find (ERROR_MOD_NOT_FOUND on Windows, where it can
+/// also mean a missing dependency: bare names come from System32, whose DLLs have theirs).
+fn not_found(e: &libloading::Error) -> bool {
+    let text = load_error(e);
+    text.contains("No such file") || (cfg!(windows) && text.contains("(os error 126)"))
 }
 
 /// Resolves a symbol to a plain function pointer.
@@ -1010,13 +1051,30 @@ mod tests {
 
     #[test]
     fn libraries_are_looked_for_by_full_path_or_by_the_system_only() {
-        let dirs = [PathBuf::from("/opt/rocm-6.2/lib"), PathBuf::from("rocm/lib"), PathBuf::from("/opt/rocm/lib")];
-        let abs = |d: &str| Some(PathBuf::from(d));
+        // Absolute on the platform the test runs on (a Windows path needs its drive).
+        let dir = |d: &str| if cfg!(windows) { PathBuf::from(format!("C:{d}")) } else { PathBuf::from(d) };
+        let dirs = [dir("/opt/rocm-6.2/lib"), PathBuf::from("rocm/lib"), dir("/opt/rocm/lib")];
+        let abs = |d: &str| Some(dir(d));
         assert_eq!(search_places(None, &dirs), [None, abs("/opt/rocm-6.2/lib"), abs("/opt/rocm/lib")]);
         // hipRTC: the runtime's own directory first, when it was found by full path.
-        let runtime_dir = Path::new("/opt/rocm-6.2/lib");
-        assert_eq!(search_places(Some(runtime_dir), &dirs[2..]), [abs("/opt/rocm-6.2/lib"), None, abs("/opt/rocm/lib")]);
+        let runtime_dir = dir("/opt/rocm-6.2/lib");
+        assert_eq!(search_places(Some(&runtime_dir), &dirs[2..]), [abs("/opt/rocm-6.2/lib"), None, abs("/opt/rocm/lib")]);
         assert_eq!(search_places(Path::new("libamdhip64.so.6").parent(), &[]), [None]);
+    }
+
+    /// PATH's absolute directories, in order and once each; never the current directory.
+    #[test]
+    fn path_entries_are_searched_only_when_absolute() {
+        let (value, want): (&str, &[&str]) = if cfg!(windows) {
+            (
+                r#"C:\Windows\system32;.;bin;C:relative;\rooted;"C:\Program Files\AMD\ROCm\6.4\bin";;C:\Windows\system32;D:\t\"#,
+                &[r"C:\Windows\system32", r"C:\Program Files\AMD\ROCm\6.4\bin", r"D:\t\"],
+            )
+        } else {
+            ("/usr/bin:.:bin::/opt/rocm/bin:/usr/bin", &["/usr/bin", "/opt/rocm/bin"])
+        };
+        let want: Vec<PathBuf> = want.iter().map(PathBuf::from).collect();
+        assert_eq!(path_dirs(std::ffi::OsStr::new(value)), want);
     }
 
     #[test]

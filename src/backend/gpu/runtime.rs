@@ -69,12 +69,16 @@ pub fn load_from_cache(path: &Path) -> Option<Vec<u8>> {
 /// Loads the kernels' code object with `load`: the one cached at `path` when it is whole and the
 /// driver accepts it, otherwise one made by `compile`, which then replaces the cached file (a
 /// cached file can pass the check and still be refused, e.g. when another driver produced it).
-/// Returns the loaded module and where its code came from, for load reports.
+/// Returns the loaded module and where its code came from, for load reports. A relative `path`
+/// (no cache directory, see `kernel_cache_dir`) is never read or written: compiled every time.
 pub fn load_kernels<M>(
     path: &Path,
     compile: impl FnOnce() -> Result<Vec<u8>>,
     mut load: impl FnMut(&[u8]) -> Result<M>,
 ) -> Result<(M, &'static str)> {
+    if !path.is_absolute() {
+        return Ok((load(&compile()?)?, "compiled, not cached"));
+    }
     let refused = match load_from_cache(path) {
         Some(code) => match load(&code) {
             Ok(module) => return Ok((module, "cached")),
@@ -176,9 +180,11 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Where compiled kernels are kept: `$ATLAS_CACHE/kernels` or `~/.cache/atlas/kernels`.
+/// Where compiled kernels are kept: `kernels` in `engine::cache_dir()` (`~/.cache/atlas/kernels`,
+/// `%LOCALAPPDATA%\atlas\kernels`), or an empty path, which `load_kernels` never caches into,
+/// when there is no cache directory: never the host's current directory.
 pub fn kernel_cache_dir() -> PathBuf {
-    crate::engine::default_model_path().parent().map(|p| p.join("kernels")).unwrap_or_else(|| "kernels".into())
+    crate::engine::cache_dir().map(|dir| dir.join("kernels")).unwrap_or_default()
 }
 
 #[cfg(test)]
