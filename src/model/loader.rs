@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::config::ModelConfig;
 use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{Backend, Proj};
+use crate::quant::fp8::select_row_blocks;
 use crate::quant::{QuantMatrix, RowSelection};
 use crate::Result;
 
@@ -95,7 +96,15 @@ impl<'a, B: Backend> Loader<'a, B> {
         let bytes = whole.storage_bytes() as u64;
         let weights = parts
             .into_iter()
-            .map(|part| self.backend.upload_weight(Box::new(RowSelection::new(whole.clone(), part)?)))
+            .map(|part| {
+                // FP8 parts of whole 128-row blocks stay FP8 (GPUs multiply them as they are).
+                let blocks = whole.fp8_blocks().and_then(|(codes, scales)| select_row_blocks(codes, scales, cols, &part));
+                let selected: Box<dyn QuantMatrix> = match blocks {
+                    Some(m) => Box::new(m),
+                    None => Box::new(RowSelection::new(whole.clone(), part)?),
+                };
+                self.backend.upload_weight(selected)
+            })
             .collect::<Result<Vec<_>>>()?;
         self.tick(1, bytes);
         Ok(weights)

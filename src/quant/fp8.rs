@@ -39,6 +39,28 @@ impl Fp8BlockMatrix {
     }
 }
 
+/// Rows `rows` of the block-scaled matrix (`codes`, `scales`) with `cols` columns, as a matrix of
+/// their own, when they are whole 128-row blocks (a fused projection split per head, heads being
+/// multiples of 128 rows); None otherwise.
+pub fn select_row_blocks(codes: &[u8], scales: &[f32], cols: usize, rows: &[usize]) -> Option<Fp8BlockMatrix> {
+    let total_rows = codes.len() / cols.max(1);
+    let aligned = rows.len() % FP8_BLOCK == 0
+        && rows.chunks_exact(FP8_BLOCK).all(|b| b[0] % FP8_BLOCK == 0 && b.iter().enumerate().all(|(i, &r)| r == b[0] + i))
+        && rows.iter().all(|&r| r < total_rows);
+    if !aligned {
+        return None;
+    }
+    let grid_cols = cols.div_ceil(FP8_BLOCK);
+    let mut data = Vec::with_capacity(rows.len() * cols);
+    let mut picked = Vec::with_capacity(rows.len() / FP8_BLOCK * grid_cols);
+    for block in rows.chunks_exact(FP8_BLOCK) {
+        data.extend_from_slice(&codes[block[0] * cols..(block[0] + FP8_BLOCK) * cols]);
+        let b = block[0] / FP8_BLOCK;
+        picked.extend_from_slice(&scales[b * grid_cols..(b + 1) * grid_cols]);
+    }
+    Some(Fp8BlockMatrix::new(rows.len(), cols, data, picked))
+}
+
 impl QuantMatrix for Fp8BlockMatrix {
     fn rows(&self) -> usize {
         self.rows
@@ -100,5 +122,29 @@ mod tests {
         assert_eq!((row[0], row[127], row[128], row[199]), (1.0, 1.0, 2.0, 2.0));
         m.dequant_row(129, &mut row);
         assert_eq!((row[0], row[128]), (3.0, 4.0));
+    }
+}
+
+#[cfg(test)]
+mod row_block_tests {
+    use super::*;
+
+    #[test]
+    fn whole_row_blocks_keep_their_codes_and_scales() {
+        let (rows, cols) = (512, 130);
+        let data: Vec<u8> = (0..rows * cols).map(|i| (i % 120) as u8).collect();
+        let scales: Vec<f32> = (0..4 * 2).map(|i| 1.0 + i as f32).collect();
+        let m = Fp8BlockMatrix::new(rows, cols, data, scales);
+        let picked: Vec<usize> = (256..384).chain(0..128).collect();
+        let (codes, grid) = m.fp8_blocks().unwrap();
+        let part = select_row_blocks(codes, grid, cols, &picked).unwrap();
+        let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+        for (i, &r) in picked.iter().enumerate() {
+            m.dequant_row(r, &mut want);
+            part.dequant_row(i, &mut got);
+            assert_eq!(want, got, "row {r}");
+        }
+        assert!(select_row_blocks(codes, grid, cols, &(1..129).collect::<Vec<_>>()).is_none());
+        assert!(select_row_blocks(codes, grid, cols, &(0..64).collect::<Vec<_>>()).is_none());
     }
 }
