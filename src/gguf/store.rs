@@ -699,11 +699,8 @@ impl GgufStore {
             bos_token_id: id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
         };
-        // validate_gguf prefixes keys with Atlas's architecture name (qwen3_5_moe), the file with
-        // llama.cpp's (qwen35moe).
-        let (ours, theirs) = (format!("{}.", self.arch.name()), format!("{}.", self.gguf_arch));
-        config.validate_gguf().map_err(|e| match e {
-            Error::InvalidArgument(reason) => bad(reason.replace(&ours, &theirs)),
+        config.validate_gguf(&self.gguf_arch).map_err(|e| match e {
+            Error::InvalidArgument(reason) => bad(reason),
             other => other,
         })?;
         // After the limits, so an absurd embedding_length is reported as such, not as a shape.

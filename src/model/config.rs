@@ -269,9 +269,10 @@ impl ModelConfig {
         self.check_sizes(|s| s.json.to_string())
     }
 
-    /// [`Self::validate`], naming each size by its GGUF metadata key.
-    pub fn validate_gguf(&self) -> Result<()> {
-        self.check_sizes(|s| format!("{}.{}", self.arch.name(), s.gguf))
+    /// [`Self::validate`], naming each size by its GGUF metadata key under `arch` (llama.cpp's
+    /// architecture name, e.g. `qwen35moe`).
+    pub fn validate_gguf(&self, arch: &str) -> Result<()> {
+        self.check_sizes(|s| format!("{arch}.{}", s.gguf))
     }
 
     fn check_sizes(&self, name: impl Fn(&Size) -> String) -> Result<()> {
@@ -580,10 +581,10 @@ mod tests {
     fn gguf_validation_names_gguf_keys() {
         let mut c = ModelConfig::from_json(&qwen3()).unwrap();
         c.num_layers = 1 << 40;
-        let err = c.validate_gguf().unwrap_err().to_string();
+        let err = c.validate_gguf("qwen3").unwrap_err().to_string();
         assert!(err.contains("qwen3.block_count") && err.contains("1..=1024"), "{err}");
         c.num_layers = 2;
         c.max_position_embeddings = MAX_POSITIONS + 1;
-        assert!(c.validate_gguf().unwrap_err().to_string().contains("qwen3.context_length"));
+        assert!(c.validate_gguf("qwen3").unwrap_err().to_string().contains("qwen3.context_length"));
     }
 }
