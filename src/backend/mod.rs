@@ -45,6 +45,10 @@ pub struct GatedMlp<B: Backend + ?Sized> {
     pub down: B::Weight,
 }
 
+/// One expert's matrices on the host, as a checkpoint gives them, before a backend takes a layer's
+/// experts with [`Backend::upload_experts`].
+pub type HostMlp = GatedMlp<cpu::CpuBackend>;
+
 /// How a token's router logits choose its experts: softmax over every expert, the `top_k`
 /// largest probabilities (ties to the lower index), renormalised to sum to one when `normalize`.
 #[derive(Debug, Clone, Copy)]
@@ -126,6 +130,9 @@ pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     /// Keys and values of one layer for every cached position.
     type KvCache: Send;
+    /// The routed experts of one mixture-of-experts layer (the CPU: a [`GatedMlp`] per expert; a
+    /// GPU: every expert of a projection in one buffer, for kernels that pick experts on the device).
+    type Experts: Send + Sync;
 
     /// A short human-readable description ("cpu (2 threads)").
     fn describe(&self) -> String;
@@ -137,6 +144,9 @@ pub trait Backend: Send + Sync {
     }
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight>;
+    /// One layer's `count` routed experts: `expert(n)` hands over expert n's matrices (gate and up
+    /// `[I, H]`, down `[H, I]`, the same shapes for every n); it is called once for each n, in order.
+    fn upload_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<HostMlp>) -> Result<Self::Experts>;
     /// A 1-row tensor (norm weights, biases).
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Tensor>;
     /// A cache for `capacity` positions (it may grow past that on backends that can).
@@ -278,7 +288,7 @@ pub trait Backend: Send + Sync {
     /// A mixture of experts on normalised input `xn [T, H]` with router logits `[T, E]`: each
     /// token's chosen experts' outputs, weighted by their routing probabilities, summed in
     /// expert order. `[T, H]`.
-    fn moe(&self, _xn: &Self::Tensor, _router_logits: &Self::Tensor, _experts: &[GatedMlp<Self>], _routing: Routing) -> Result<Self::Tensor> {
+    fn moe(&self, _xn: &Self::Tensor, _router_logits: &Self::Tensor, _experts: &Self::Experts, _routing: Routing) -> Result<Self::Tensor> {
         Err(crate::Error::Unsupported(format!("mixture-of-experts layers on {}", self.describe())))
     }
 

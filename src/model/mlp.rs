@@ -12,7 +12,8 @@
 
 use super::config::{MoeConfig, ModelConfig};
 use super::loader::{Linear, Loader};
-use crate::backend::{Backend, GatedMlp, Routing};
+use crate::backend::{Backend, GatedMlp, HostMlp, Routing};
+use crate::quant::QuantMatrix;
 use crate::Result;
 
 /// `down(silu(gate(x)) * up(x))`, with biases where the checkpoint has them (Llama's mlp_bias).
@@ -59,7 +60,7 @@ impl<B: Backend> FeedForward<B> {
 pub struct SparseMoe<B: Backend> {
     /// The router, `[E, H]`.
     gate: B::Weight,
-    experts: Vec<GatedMlp<B>>,
+    experts: B::Experts,
     shared_expert: Option<SharedExpert<B>>,
     routing: Routing,
 }
@@ -76,20 +77,27 @@ impl<B: Backend> SparseMoe<B> {
         let (e, i) = (moe.num_experts, moe.expert_intermediate_size);
         let gate = ld.matrix(&format!("{prefix}.gate.weight"), e, hidden)?;
         let per_expert = ld.source.contains(&format!("{prefix}.experts.0.gate_proj.weight"));
-        let mut experts = Vec::with_capacity(e);
-        for n in 0..e {
-            experts.push(if per_expert {
-                gated_mlp(ld, &format!("{prefix}.experts.{n}"), hidden, i)?
+        // The backend takes the layer's experts one by one, from the host, and keeps them its way.
+        let (backend, source) = (ld.backend, ld.source);
+        let experts = backend.upload_experts(e, &mut |n| {
+            if per_expert {
+                let name = |m: &str| format!("{prefix}.experts.{n}.{m}_proj.weight");
+                Ok(HostMlp {
+                    gate: host_matrix(ld, source.matrix(&name("gate"), i, hidden), true)?,
+                    up: host_matrix(ld, source.matrix(&name("up"), i, hidden), true)?,
+                    down: host_matrix(ld, source.matrix(&name("down"), hidden, i), true)?,
+                })
             } else {
-                let gate_up = format!("{prefix}.experts.gate_up_proj");
-                let down = format!("{prefix}.experts.down_proj");
-                GatedMlp {
-                    gate: ld.stacked(&gate_up, [e, 2 * i, hidden], n, 0..i)?,
-                    up: ld.stacked(&gate_up, [e, 2 * i, hidden], n, i..2 * i)?,
-                    down: ld.stacked(&down, [e, hidden, i], n, 0..hidden)?,
-                }
-            });
-        }
+                // Each fused tensor counts as loaded with its last slice.
+                let (gate_up, down) = (format!("{prefix}.experts.gate_up_proj"), format!("{prefix}.experts.down_proj"));
+                let last = n + 1 == e;
+                Ok(HostMlp {
+                    gate: host_matrix(ld, source.stacked_matrix(&gate_up, [e, 2 * i, hidden], n, 0..i), false)?,
+                    up: host_matrix(ld, source.stacked_matrix(&gate_up, [e, 2 * i, hidden], n, i..2 * i), last)?,
+                    down: host_matrix(ld, source.stacked_matrix(&down, [e, hidden, i], n, 0..hidden), last)?,
+                })
+            }
+        })?;
         let shared_expert = match moe.shared_expert_intermediate_size {
             0 => None,
             si => Some(SharedExpert {
@@ -115,6 +123,16 @@ impl<B: Backend> SparseMoe<B> {
         }
         Ok(y)
     }
+}
+
+/// A matrix read for a backend to take from the host, reported as loaded (as a tensor when
+/// `whole`, else only its bytes: a slice of a fused tensor).
+fn host_matrix<B: Backend>(ld: &mut Loader<'_, B>, m: Result<Box<dyn QuantMatrix>>, whole: bool) -> Result<Box<dyn QuantMatrix>> {
+    let m = m?;
+    ld.done.tensors_done += usize::from(whole);
+    ld.done.bytes_done += m.storage_bytes() as u64;
+    (ld.progress)(ld.done);
+    Ok(m)
 }
 
 fn gated_mlp<B: Backend>(ld: &mut Loader<'_, B>, prefix: &str, hidden: usize, inner: usize) -> Result<GatedMlp<B>> {

@@ -121,6 +121,7 @@ impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = Box<dyn QuantMatrix>;
     type KvCache = CpuKvCache;
+    type Experts = Vec<GatedMlp<Self>>;
 
     fn describe(&self) -> String {
         format!("cpu ({} threads)", self.pool.current_num_threads())
@@ -132,6 +133,10 @@ impl Backend for CpuBackend {
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight> {
         Ok(w)
+    }
+
+    fn upload_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<GatedMlp<Self>>) -> Result<Self::Experts> {
+        (0..count).map(expert).collect()
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CpuTensor> {
@@ -416,7 +421,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn moe(&self, xn: &CpuTensor, router_logits: &CpuTensor, experts: &[GatedMlp<Self>], routing: Routing) -> Result<CpuTensor> {
+    fn moe(&self, xn: &CpuTensor, router_logits: &CpuTensor, experts: &Self::Experts, routing: Routing) -> Result<CpuTensor> {
         let (t, h, e) = (xn.rows, xn.cols, experts.len());
         if router_logits.rows != t || router_logits.cols != e || routing.top_k == 0 || routing.top_k > e {
             return Err(Error::InvalidArgument(format!(

@@ -5,7 +5,10 @@
 pub mod cuda;
 mod delta_net;
 pub mod hip;
+mod moe;
 pub mod runtime;
+
+pub use self::moe::GpuExperts;
 
 use std::sync::{Arc, Mutex};
 
@@ -591,6 +594,7 @@ impl Backend for GpuBackend {
     type Tensor = GpuTensor;
     type Weight = GpuWeight;
     type KvCache = GpuKvCache;
+    type Experts = GpuExperts;
 
     fn describe(&self) -> String {
         self.rt.describe()
@@ -601,7 +605,7 @@ impl Backend for GpuBackend {
             // The attention kernels tile heads by 16 values.
             Capability::HeadDim(d) => d % 16 == 0 && d <= 256,
             Capability::GatedDeltaNet | Capability::SigmoidGate | Capability::PartialRotary => true,
-            Capability::MixtureOfExperts => false,
+            Capability::MixtureOfExperts => true,
         }
     }
 
@@ -648,6 +652,10 @@ impl Backend for GpuBackend {
         let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), host.len() * 2) };
         self.rt.upload(buf.ptr, bytes)?;
         Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Bf16 })
+    }
+
+    fn upload_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<super::HostMlp>) -> Result<GpuExperts> {
+        self.stack_experts(count, expert)
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<GpuTensor> {
@@ -912,6 +920,11 @@ impl Backend for GpuBackend {
         same_shape(x, y, "add")?;
         let n = x.rows * x.cols;
         self.elementwise("add_inplace", n, &[Arg::Ptr(x.buf.ptr), Arg::Ptr(y.buf.ptr), Arg::I32(n as i32)])
+    }
+
+    // Launches in moe.rs.
+    fn moe(&self, xn: &GpuTensor, router_logits: &GpuTensor, experts: &GpuExperts, routing: super::Routing) -> Result<GpuTensor> {
+        self.moe_forward(xn, router_logits, experts, routing)
     }
 
     // The Qwen3.5 hybrid ops: launches in delta_net.rs.

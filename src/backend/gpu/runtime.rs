@@ -144,7 +144,7 @@ pub fn kernel_source() -> String {
         include_str!("../../../kernels/common/mma.h"),
         include_str!("../../../kernels/common/fp8.h"),
     ];
-    const FILES: [&str; 9] = [
+    const FILES: [&str; 10] = [
         include_str!("../../../kernels/elementwise.hip"),
         include_str!("../../../kernels/norm.hip"),
         include_str!("../../../kernels/rope.hip"),
@@ -153,6 +153,7 @@ pub fn kernel_source() -> String {
         include_str!("../../../kernels/attention.hip"),
         include_str!("../../../kernels/flash_attention.hip"),
         include_str!("../../../kernels/sampling.hip"),
+        include_str!("../../../kernels/moe.hip"),
         include_str!("../../../kernels/delta_net.hip"),
     ];
     let strip = |text: &str| -> String {
