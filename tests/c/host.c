@@ -8,10 +8,19 @@
  *
  * Built with -fsanitize=address,undefined in CI; `loops` repeats every test (the unload race
  * many times per loop) so the sanitizers and leak detection see every path the library takes.
- * A deadlock ends the run through alarm().
+ * A deadlock ends the run through alarm() (on Windows, a watchdog thread).
+ *
+ * Windows (scripts/test_windows.sh, under Wine): LoadLibrary/GetProcAddress stand in for
+ * dlopen/dlsym, and pthreads come from mingw-w64's winpthreads:
+ *   x86_64-w64-mingw32-gcc -std=c11 -Wall -Wextra -I include tests/c/host.c -pthread -o host.exe
+ *   host.exe atlas.dll tests/fixtures/models/chat_tiny
  */
 #define _DEFAULT_SOURCE
+#ifdef _WIN32
+#include <windows.h>
+#else
 #include <dlfcn.h>
+#endif
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -21,6 +30,23 @@
 #include <unistd.h>
 
 #include "atlas.h"
+
+#ifdef _WIN32
+#define RTLD_NOW 0
+#define RTLD_LOCAL 0
+static void *dlopen(const char *path, int flags) {
+    (void)flags;
+    return (void *)LoadLibraryA(path);
+}
+static void *dlsym(void *lib, const char *name) {
+    return (void *)GetProcAddress((HMODULE)lib, name);
+}
+static const char *dlerror(void) {
+    static char message[64];
+    snprintf(message, sizeof message, "LoadLibrary failed, error %lu", (unsigned long)GetLastError());
+    return message;
+}
+#endif
 
 static uint32_t (*p_abi_version)(void);
 static const char *(*p_version)(void);
@@ -184,6 +210,25 @@ static void on_alarm(int sig) {
     (void)!write(2, msg, sizeof msg - 1);
     _exit(124);
 }
+
+#ifdef _WIN32
+static void *watchdog(void *arg) {
+    (void)arg;
+    Sleep(120 * 1000);
+    on_alarm(0);
+    return NULL;
+}
+static void start_watchdog(void) {
+    pthread_t t;
+    pthread_create(&t, NULL, watchdog, NULL);
+    pthread_detach(t);
+}
+#else
+static void start_watchdog(void) {
+    signal(SIGALRM, on_alarm);
+    alarm(120);
+}
+#endif
 
 /* Oversized input is refused before it costs anything, and the model stays usable. */
 static void test_limits(const char *dir) {
@@ -359,8 +404,7 @@ int main(int argc, char **argv) {
     p_unload(NULL);
     p_free(NULL);
     test_bad_options();
-    signal(SIGALRM, on_alarm);
-    alarm(120);
+    start_watchdog();
     for (int i = 0; i < loops; i++) {
         AtlasModel *m = load(argv[2]);
         if (m) test_model(m);

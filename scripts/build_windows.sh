@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# Cross-builds Atlas for Windows x86_64 (x86_64-pc-windows-gnu, with Debian's mingw-w64) and packs
+# dist/atlas-<version>-windows-x86_64.zip, one folder of that name holding:
+#   atlas.exe, atlas.dll    the command-line tool and the C-ABI library (stripped; they import only
+#                           Windows system DLLs: no MinGW runtime DLL to ship beside them)
+#   atlas.dll.a             import library for MinGW (GNU ld, clang)
+#   atlas.dll.lib           import library for MSVC's link.exe (short import format, as `lib /def`
+#                           writes it; named as Rust's MSVC target names it, which
+#                           cmake/AtlasConfig.cmake looks for)
+#   atlas.def               the exports, for making another import library (`lib /def:atlas.def`)
+#   include/atlas.h         the C header, the same as on Linux
+#   cmake/                  AtlasConfig.cmake (find_package(Atlas), with -DATLAS_ROOT=<this folder>)
+#   LICENSE-MIT, LICENSE-APACHE, licenses/   Atlas's licence and those of what is linked into it
+# The import libraries are checked: every export of atlas.dll is in both, and atlas.dll.lib holds
+# only COFF short-import members for atlas.dll on x86-64.
+#
+# Usage: scripts/build_windows.sh [--no-zip]. Installs what is missing (rustup target; apt-get:
+# gcc-mingw-w64-x86-64, zip, llvm for llvm-dlltool; as CI, root on Debian 12). Prints the zip path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+target=x86_64-pc-windows-gnu
+zip=1
+[[ ${1:-} == --no-zip ]] && zip=0
+
+say() { echo "build_windows: $*" >&2; }
+die() {
+    say "$*"
+    exit 1
+}
+
+# Tools.
+rustup target list --installed 2>/dev/null | grep -qx "$target" || rustup target add "$target"
+find_tool() { # first of the names that exists
+    local t
+    for t in "$@"; do
+        command -v "$t" >/dev/null && {
+            echo "$t"
+            return
+        }
+    done
+}
+missing=()
+command -v x86_64-w64-mingw32-gcc >/dev/null || missing+=(gcc-mingw-w64-x86-64)
+command -v zip >/dev/null || missing+=(zip)
+[[ -n $(find_tool llvm-dlltool llvm-dlltool-19 llvm-dlltool-16 llvm-dlltool-14) ]] || missing+=(llvm)
+if ((${#missing[@]})); then
+    say "installing ${missing[*]}"
+    apt-get update -qq && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+dlltool=$(find_tool llvm-dlltool llvm-dlltool-19 llvm-dlltool-16 llvm-dlltool-14)
+llvm_nm=$(find_tool llvm-nm llvm-nm-19 llvm-nm-16 llvm-nm-14)
+readobj=$(find_tool llvm-readobj llvm-readobj-19 llvm-readobj-16 llvm-readobj-14)
+[[ -n $dlltool && -n $llvm_nm && -n $readobj ]] || die "llvm-dlltool, llvm-nm and llvm-readobj are needed"
+objdump=x86_64-w64-mingw32-objdump
+strip=x86_64-w64-mingw32-strip
+
+cargo build --release --locked --target "$target"
+tdir=${CARGO_TARGET_DIR:-target}
+out=$tdir/$target/release
+for f in atlas.exe atlas.dll libatlas.dll.a; do
+    [[ -f $out/$f ]] || die "$out/$f was not built"
+done
+
+version=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' Cargo.toml | head -n1)
+name=atlas-$version-windows-x86_64
+stage=$tdir/windows-dist/$name
+rm -rf "$stage"
+mkdir -p "$stage/include" "$stage/cmake" "$stage/licenses" dist
+[[ -f dist/.gitignore ]] || echo '*' >dist/.gitignore # dist/ is never committed
+
+cp "$out/atlas.exe" "$out/atlas.dll" "$stage/"
+"$strip" --strip-unneeded "$stage/atlas.exe" "$stage/atlas.dll"
+cp include/atlas.h "$stage/include/"
+cp cmake/AtlasConfig.cmake cmake/AtlasConfigVersion.cmake "$stage/cmake/"
+
+# Only system DLLs may be imported: anything else would have to ship in the zip.
+imports=$("$objdump" -p "$stage/atlas.dll" "$stage/atlas.exe" | sed -n 's/^\tDLL Name: //p' | tr 'A-Z' 'a-z' | sort -u)
+for dll in $imports; do
+    case $dll in
+    kernel32.dll | ntdll.dll | msvcrt.dll | userenv.dll | ws2_32.dll | advapi32.dll | bcrypt.dll | bcryptprimitives.dll | \
+        shell32.dll | ole32.dll | api-ms-win-*.dll) ;;
+    *) die "atlas.dll/atlas.exe import $dll, which is not part of Windows" ;;
+    esac
+done
+
+# The exports, as the DLL's export table lists them; they must be exactly the header's functions.
+exports=$("$objdump" -p "$stage/atlas.dll" | sed -n '/^\[Ordinal\/Name Pointer\] Table/,/^$/p' | sed -n 's/^\t\[ *[0-9]*\] //p' | sort)
+declared=$(grep -o '\batlas_[a-z_]*(' include/atlas.h | tr -d '(' | sort -u)
+[[ -n $exports && $exports == "$declared" ]] || die "atlas.dll exports [$(echo $exports)], include/atlas.h declares [$(echo $declared)]"
+{
+    echo "LIBRARY atlas.dll"
+    echo "EXPORTS"
+    for e in $exports; do echo "    $e"; done
+} >"$stage/atlas.def"
+
+# Import libraries: GNU's from the Rust build, MSVC's from the .def.
+cp "$out/libatlas.dll.a" "$stage/atlas.dll.a"
+"$dlltool" -m i386:x86-64 -d "$stage/atlas.def" -D atlas.dll -l "$stage/atlas.dll.lib"
+for lib in atlas.dll.a atlas.dll.lib; do
+    syms=$("$llvm_nm" "$stage/$lib" 2>/dev/null)
+    for e in $exports; do
+        grep -qE "^[0-9a-f ]* T $e\$" <<<"$syms" && grep -qE "^[0-9a-f ]* [TDIS] __imp_$e\$" <<<"$syms" ||
+            die "$lib lacks $e or __imp_$e"
+    done
+done
+members=$("$readobj" "$stage/atlas.dll.lib" | grep -E '^(File|Format|Type|Name type|Symbol|Export name):' || true)
+n_import=$(grep -c "^Format: COFF-import-file" <<<"$members" || true)
+n_exports=$(wc -w <<<"$exports")
+# One short-import member per export, plus the import descriptor objects.
+((n_import == n_exports)) || die "atlas.dll.lib: $n_import COFF short-import members for $n_exports exports"
+grep -q "^Format: COFF-x86-64" <<<"$members" || die "atlas.dll.lib: no x86-64 import descriptor"
+
+# Licences: Atlas's (MIT OR Apache-2.0), then everything linked into the binaries: the crates
+# (normal dependencies for this target, from cargo metadata) and the MinGW-w64 runtime objects.
+cat >"$stage/LICENSE-MIT" <<'EOF'
+MIT License
+
+Copyright (c) The Atlas authors
+
+Permission is hereby granted, free of charge, to any person obtaining a copy of this software and
+associated documentation files (the "Software"), to deal in the Software without restriction,
+including without limitation the rights to use, copy, modify, merge, publish, distribute,
+sublicense, and/or sell copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all copies or
+substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT
+NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND
+NONINFRINGEMENT. IN NO EVENT SHALL THE AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM,
+DAMAGES OR OTHER LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT
+OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SOFTWARE.
+EOF
+[[ -f /usr/share/common-licenses/Apache-2.0 ]] || die "/usr/share/common-licenses/Apache-2.0 is missing (Debian's base-files)"
+cp /usr/share/common-licenses/Apache-2.0 "$stage/LICENSE-APACHE"
+cargo metadata --locked --format-version 1 --filter-platform "$target" >"$tdir/windows-dist/metadata.json"
+python3 - "$tdir/windows-dist/metadata.json" "$stage/licenses/THIRD-PARTY-CRATES.txt" <<'EOF'
+import json, os, sys
+meta = json.load(open(sys.argv[1]))
+packages = {p["id"]: p for p in meta["packages"]}
+nodes = {n["id"]: n for n in meta["resolve"]["nodes"]}
+root = meta["resolve"]["root"]
+# Normal (not build or dev) dependencies, transitively: what is compiled into atlas.dll/atlas.exe.
+seen, todo = set(), [root]
+while todo:
+    for dep in nodes[todo.pop()]["deps"]:
+        if any(k["kind"] is None for k in dep["dep_kinds"]) and dep["pkg"] not in seen:
+            seen.add(dep["pkg"])
+            todo.append(dep["pkg"])
+out = ["Third-party crates compiled into atlas.dll and atlas.exe, with their licence texts.\n"]
+for pid in sorted(seen, key=lambda i: (packages[i]["name"], packages[i]["version"])):
+    p = packages[pid]
+    folder = os.path.dirname(p["manifest_path"])
+    files = sorted(f for f in os.listdir(folder)
+                   if f.upper().startswith(("LICENSE", "LICENCE", "COPYING", "NOTICE", "UNLICENSE")) and os.path.isfile(os.path.join(folder, f)))
+    out.append("=" * 100)
+    out.append(f"{p['name']} {p['version']}: {p.get('license') or p.get('license_file') or 'see below'}")
+    if p.get("repository"):
+        out.append(p["repository"])
+    for f in files:
+        out.append("-" * 40 + f" {f}")
+        out.append(open(os.path.join(folder, f), encoding="utf-8", errors="replace").read().rstrip())
+    if not files:
+        out.append("(the crate ships no licence file; its licence is the SPDX expression above)")
+    out.append("")
+open(sys.argv[2], "w").write("\n".join(out) + "\n")
+print(f"build_windows: {len(seen)} crates in licenses/THIRD-PARTY-CRATES.txt", file=sys.stderr)
+EOF
+for f in mingw-w64-x86-64-dev gcc-mingw-w64-base; do
+    [[ -f /usr/share/doc/$f/copyright ]] && cp "/usr/share/doc/$f/copyright" "$stage/licenses/$f.copyright.txt"
+done
+cat >"$stage/licenses/README.txt" <<'EOF'
+THIRD-PARTY-CRATES.txt: the Rust crates compiled into atlas.dll and atlas.exe.
+mingw-w64-x86-64-dev.copyright.txt: the MinGW-w64 runtime startup code linked into both (ZPL-2.1 and others).
+gcc-mingw-w64-base.copyright.txt: GCC's support library (libgcc), under the GCC Runtime Library Exception.
+EOF
+
+if ((zip)); then
+    rm -f "dist/$name.zip"
+    zipfile=$PWD/dist/$name.zip
+    (cd "$tdir/windows-dist" && zip -q -r -X "$zipfile" "$name")
+    say "dist/$name.zip: $(zip -sf "dist/$name.zip" | tail -n1)"
+    echo "dist/$name.zip"
+else
+    echo "$stage"
+fi
