@@ -7,6 +7,7 @@ use super::config::ModelConfig;
 use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{Backend, Proj};
 use crate::quant::fp8::select_row_blocks;
+use crate::quant::synthetic::SyntheticMatrix;
 use crate::quant::{QuantMatrix, RowSelection};
 use crate::Result;
 
@@ -99,9 +100,14 @@ impl<'a, B: Backend> Loader<'a, B> {
             .map(|part| {
                 // FP8 parts of whole 128-row blocks stay FP8 (GPUs multiply them as they are).
                 let blocks = whole.fp8_blocks().and_then(|(codes, scales)| select_row_blocks(codes, scales, cols, &part));
-                let selected: Box<dyn QuantMatrix> = match blocks {
-                    Some(m) => Box::new(m),
-                    None => Box::new(RowSelection::new(whole.clone(), part)?),
+                let selected: Box<dyn QuantMatrix> = match (blocks, whole.synthetic()) {
+                    (Some(m), _) => Box::new(m),
+                    // Benchmark weights are made where they are used: a part is made the same way.
+                    (None, Some((seed, scale))) => {
+                        let part_seed = seed ^ (part.first().copied().unwrap_or(0) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        Box::new(SyntheticMatrix::new(part.len(), cols, part_seed, scale, whole.dtype()))
+                    }
+                    (None, None) => Box::new(RowSelection::new(whole.clone(), part)?),
                 };
                 self.backend.upload_weight(selected)
             })
