@@ -125,12 +125,7 @@ print(os.path.join(os.path.dirname(spec.origin), 'tokenizer_files') if spec and 
     tests+=(--test "$name")
 done
 # Tests that fail on Windows for a reason in the test itself, with that reason; fix, then remove.
-known=(
-    # tests/gguf_hybrid.rs rewrites a GGUF file while a GgufStore of its own still maps it (a
-    # shadowed `store`, alive to the end of the test): Windows refuses to write to a mapped file
-    # (ERROR_USER_MAPPED_FILE, os error 1224), Linux does not. `drop(store)` before the rewrite.
-    broken_files_are_refused_with_the_key_or_tensor
-)
+known=()
 skip_args=()
 for t in "${known[@]}"; do
     grep -rqw "fn $t" tests src || continue

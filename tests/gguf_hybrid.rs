@@ -322,14 +322,17 @@ fn broken_files_are_refused_with_the_key_or_tensor() {
     let err = load_error(&path);
     assert!(err.contains("model.layers.0.linear_attn.in_proj_qkv.weight") && err.contains("expected [128, 64]"), "{err}");
     // Read directly, the tensor's own shape passes but the heads cannot be put back.
-    let store = GgufStore::open(&path).unwrap();
-    let err = store.matrix("model.layers.0.linear_attn.in_proj_qkv.weight", 160, 64).unwrap_err().to_string();
+    // (Each store is dropped before its file is written again: Windows refuses to write to a file
+    // that is mapped.)
+    let err = GgufStore::open(&path).unwrap().matrix("model.layers.0.linear_attn.in_proj_qkv.weight", 160, 64).unwrap_err().to_string();
     assert!(err.contains("160 rows") && err.contains("qwen35moe.ssm.* metadata") && err.contains("4 value heads × 16"), "{err}");
 
     // ssm_a holds -exp(A_log): a positive value cannot come from the converter.
-    let store = GgufStore::open(fixture(file)).unwrap();
-    let t = store.file().tensor("blk.1.ssm_a").unwrap();
-    let at = (store.file().data_start() + t.offset) as usize;
+    let at = {
+        let store = GgufStore::open(fixture(file)).unwrap();
+        let t = store.file().tensor("blk.1.ssm_a").unwrap();
+        (store.file().data_start() + t.offset) as usize
+    };
     let path = edited(&dir, file, |b| b[at + 3] &= 0x7f);
     let err = load_error(&path);
     assert!(err.contains("model.layers.1.linear_attn.A_log") && err.contains("blk.1.ssm_a") && err.contains("negative"), "{err}");
