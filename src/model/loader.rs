@@ -1,6 +1,5 @@
 //! Loading a network's tensors onto a backend, one by one, with progress.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use super::config::ModelConfig;
@@ -56,15 +55,12 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(w)
     }
 
-    /// Rows `rows` of slice `index` of a stacked `[count, rows, cols]` tensor; the tensor counts
-    /// as loaded with its last slice.
-    pub fn stacked(&mut self, name: &str, shape: [usize; 3], index: usize, rows: Range<usize>) -> Result<B::Weight> {
-        let last = index + 1 == shape[0] && rows.end == shape[1];
-        let m = self.source.stacked_matrix(name, shape, index, rows)?;
-        let bytes = m.storage_bytes() as u64;
-        let w = self.backend.upload_weight(m)?;
-        self.tick(usize::from(last), bytes);
-        Ok(w)
+    /// A matrix read for the backend to take from the host itself (experts), reported as loaded:
+    /// as a tensor when `whole`, else only its bytes (a slice of a fused tensor).
+    pub fn host_matrix(&mut self, m: Result<Box<dyn QuantMatrix>>, whole: bool) -> Result<Box<dyn QuantMatrix>> {
+        let m = m?;
+        self.tick(usize::from(whole), m.storage_bytes() as u64);
+        Ok(m)
     }
 
     pub fn vector(&mut self, name: &str, len: usize) -> Result<B::Tensor> {

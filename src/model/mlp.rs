@@ -13,7 +13,6 @@
 use super::config::{MoeConfig, ModelConfig};
 use super::loader::{Linear, Loader};
 use crate::backend::{Backend, GatedMlp, HostMlp, Routing};
-use crate::quant::QuantMatrix;
 use crate::Result;
 
 /// `down(silu(gate(x)) * up(x))`, with biases where the checkpoint has them (Llama's mlp_bias).
@@ -83,18 +82,18 @@ impl<B: Backend> SparseMoe<B> {
             if per_expert {
                 let name = |m: &str| format!("{prefix}.experts.{n}.{m}_proj.weight");
                 Ok(HostMlp {
-                    gate: host_matrix(ld, source.matrix(&name("gate"), i, hidden), true)?,
-                    up: host_matrix(ld, source.matrix(&name("up"), i, hidden), true)?,
-                    down: host_matrix(ld, source.matrix(&name("down"), hidden, i), true)?,
+                    gate: ld.host_matrix(source.matrix(&name("gate"), i, hidden), true)?,
+                    up: ld.host_matrix(source.matrix(&name("up"), i, hidden), true)?,
+                    down: ld.host_matrix(source.matrix(&name("down"), hidden, i), true)?,
                 })
             } else {
                 // Each fused tensor counts as loaded with its last slice.
                 let (gate_up, down) = (format!("{prefix}.experts.gate_up_proj"), format!("{prefix}.experts.down_proj"));
                 let last = n + 1 == e;
                 Ok(HostMlp {
-                    gate: host_matrix(ld, source.stacked_matrix(&gate_up, [e, 2 * i, hidden], n, 0..i), false)?,
-                    up: host_matrix(ld, source.stacked_matrix(&gate_up, [e, 2 * i, hidden], n, i..2 * i), last)?,
-                    down: host_matrix(ld, source.stacked_matrix(&down, [e, hidden, i], n, 0..hidden), last)?,
+                    gate: ld.host_matrix(source.stacked_matrix(&gate_up, [e, 2 * i, hidden], n, 0..i), false)?,
+                    up: ld.host_matrix(source.stacked_matrix(&gate_up, [e, 2 * i, hidden], n, i..2 * i), last)?,
+                    down: ld.host_matrix(source.stacked_matrix(&down, [e, hidden, i], n, 0..hidden), last)?,
                 })
             }
         })?;
@@ -123,16 +122,6 @@ impl<B: Backend> SparseMoe<B> {
         }
         Ok(y)
     }
-}
-
-/// A matrix read for a backend to take from the host, reported as loaded (as a tensor when
-/// `whole`, else only its bytes: a slice of a fused tensor).
-fn host_matrix<B: Backend>(ld: &mut Loader<'_, B>, m: Result<Box<dyn QuantMatrix>>, whole: bool) -> Result<Box<dyn QuantMatrix>> {
-    let m = m?;
-    ld.done.tensors_done += usize::from(whole);
-    ld.done.bytes_done += m.storage_bytes() as u64;
-    (ld.progress)(ld.done);
-    Ok(m)
 }
 
 fn gated_mlp<B: Backend>(ld: &mut Loader<'_, B>, prefix: &str, hidden: usize, inner: usize) -> Result<GatedMlp<B>> {
