@@ -538,19 +538,24 @@ fn bind(
         // library opens but finds no device just means "try the next one"; a GPU that lacks an
         // op the model needs is checked before any weight moves, and the CPU runs it instead.
         Device::Auto => {
-            let gpu = match hip::available().then(GpuBackend::hip) {
-                Some(Ok(gpu)) => Some(gpu),
-                _ => cuda::available().then(GpuBackend::cuda).and_then(Result::ok),
-            };
-            let missing = gpu.as_ref().and_then(|g| required_capabilities(&config).into_iter().find(|c| !g.supports(*c)));
+            let hip = if hip::available() { GpuBackend::hip() } else { Err(Error::Device("no HIP runtime found".into())) };
+            let gpu = hip.or_else(|hip_err| {
+                let cuda = if cuda::available() { GpuBackend::cuda() } else { Err(Error::Device("no CUDA driver found".into())) };
+                let reason = |e: Error| match e {
+                    Error::Device(m) => m,
+                    other => other.to_string(),
+                };
+                cuda.map_err(|cuda_err| format!("HIP: {}; CUDA: {}", reason(hip_err), reason(cuda_err)))
+            });
+            let missing = gpu.as_ref().ok().and_then(|g| required_capabilities(&config).into_iter().find(|c| !g.supports(*c)));
             match (gpu, missing) {
-                (Some(gpu), None) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
-                (Some(gpu), Some(cap)) => {
+                (Ok(gpu), None) => Ok(Box::new(Bound::load(gpu, config, store, ctx_size, progress)?)),
+                (Ok(gpu), Some(cap)) => {
                     let note = format!("{} has no {cap} yet", gpu.describe());
                     drop(gpu);
                     Ok(Box::new(Noted { inner: cpu(config, progress)?, note }))
                 }
-                (None, _) => cpu(config, progress),
+                (Err(why), _) => Ok(Box::new(Noted { inner: cpu(config, progress)?, note: why })),
             }
         }
     }
