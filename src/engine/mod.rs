@@ -612,6 +612,16 @@ fn cache_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>, windows: boo
     base.map(|dir| dir.join("atlas"))
 }
 
+/// Makes `dir` and any missing parents as the cache wants them: 0700 on Unix (only the user may
+/// read, write or enter them); directories that exist already are left as they are.
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(dir)
+}
+
 #[cfg(test)]
 mod cache_dir_tests {
     use super::*;

@@ -31,13 +31,16 @@ pub fn arg_slots(args: &[Arg]) -> Vec<u64> {
 }
 
 /// Bytes after a cached code object: its length and FNV-1a hash, little-endian u64s, so that a
-/// truncated, damaged or foreign file is compiled afresh instead of handed to the driver.
+/// truncated, damaged or foreign file is compiled afresh instead of handed to the driver. The hash
+/// finds damage, not an attacker (who could write the trailer too): what keeps others' code out is
+/// that only the user can write the cache directory (`untrusted_cache_dir`).
 const CACHE_TRAILER: usize = 16;
 
 /// Keeps a compiled code object for next time, with the trailer `load_from_cache` checks. The
 /// cache is an optimisation: a read-only home directory just means compiling again next time.
+/// Missing directories are made 0700 (Unix); the file is written 0600.
 pub fn store_in_cache(path: &Path, code: &[u8]) {
-    if path.parent().is_some_and(|dir| std::fs::create_dir_all(dir).is_err()) {
+    if path.parent().is_some_and(|dir| crate::engine::create_private_dir(dir).is_err()) {
         return;
     }
     let mut file = code.to_vec();
@@ -45,14 +48,24 @@ pub fn store_in_cache(path: &Path, code: &[u8]) {
     file.extend_from_slice(&fnv1a(&[code]).to_le_bytes());
     // Written aside and renamed, so that another process never reads a half-written file.
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    if std::fs::write(&tmp, &file).is_err() || std::fs::rename(&tmp, path).is_err() {
+    let _ = std::fs::remove_file(&tmp);
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let written = options.open(&tmp).and_then(|mut f| std::io::Write::write_all(&mut f, &file));
+    if written.is_err() || std::fs::rename(&tmp, path).is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
 }
 
 /// The code object `store_in_cache` kept at `path`, if the file is whole: an ELF image (CUBIN and
-/// AMD code objects both are) of the length and hash its trailer records.
+/// AMD code objects both are) of the length and hash its trailer records, in a file only this user
+/// can write (Unix).
 pub fn load_from_cache(path: &Path) -> Option<Vec<u8>> {
+    if untrusted(path, false).is_some() {
+        return None;
+    }
     let mut file = std::fs::read(path).ok()?;
     let len = file.len().checked_sub(CACHE_TRAILER)?;
     let (code, trailer) = file.split_at(len);
@@ -66,11 +79,49 @@ pub fn load_from_cache(path: &Path) -> Option<Vec<u8>> {
     })
 }
 
+/// Why the kernel cache directory `dir` may not be used, or None when it may: on Unix it must be a
+/// directory owned by this user that neither its group nor others can write, since whoever can
+/// write there chooses the code that runs on the GPU. On Windows the cache lives in the user's own
+/// %LOCALAPPDATA% and is not checked here.
+pub fn untrusted_cache_dir(dir: &Path) -> Option<String> {
+    untrusted(dir, true)
+}
+
+#[cfg(unix)]
+fn untrusted(path: &Path, dir: bool) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) => return Some(format!("{}: {e}", path.display())),
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if (dir && !meta.is_dir()) || (!dir && !meta.is_file()) {
+        Some(format!("{} is not a {}", path.display(), if dir { "directory" } else { "file" }))
+    } else if meta.uid() != me {
+        Some(format!("{} is owned by uid {}, not this user (uid {me})", path.display(), meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!("{} is writable by its group or others (mode {:o})", path.display(), meta.mode() & 0o7777))
+    } else {
+        None
+    }
+}
+
+#[cfg(not(unix))]
+fn untrusted(path: &Path, dir: bool) -> Option<String> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() == dir => None,
+        Ok(_) => Some(format!("{} is not a {}", path.display(), if dir { "directory" } else { "file" })),
+        Err(e) => Some(format!("{}: {e}", path.display())),
+    }
+}
+
 /// Loads the kernels' code object with `load`: the one cached at `path` when it is whole and the
 /// driver accepts it, otherwise one made by `compile`, which then replaces the cached file (a
 /// cached file can pass the check and still be refused, e.g. when another driver produced it).
 /// Returns the loaded module and where its code came from, for load reports. A relative `path`
-/// (no cache directory, see `kernel_cache_dir`) is never read or written: compiled every time.
+/// (no cache directory, see `kernel_cache_dir`), or one in a directory others can write
+/// (`untrusted_cache_dir`), is never read or written: compiled every time.
 pub fn load_kernels<M>(
     path: &Path,
     compile: impl FnOnce() -> Result<Vec<u8>>,
@@ -79,18 +130,33 @@ pub fn load_kernels<M>(
     if !path.is_absolute() {
         return Ok((load(&compile()?)?, "compiled, not cached"));
     }
-    let refused = match load_from_cache(path) {
+    if let Some(dir) = path.parent() {
+        let _ = crate::engine::create_private_dir(dir);
+        if untrusted_cache_dir(dir).is_some() {
+            return Ok((load(&compile()?)?, NOT_PRIVATE));
+        }
+    }
+    let (refused, damaged) = match load_from_cache(path) {
         Some(code) => match load(&code) {
             Ok(module) => return Ok((module, "cached")),
-            Err(_) => true,
+            Err(_) => (true, false),
         },
-        None => false,
+        None => (false, std::fs::symlink_metadata(path).is_ok()),
     };
     let code = compile()?;
     let module = load(&code)?;
     store_in_cache(path, &code);
-    Ok((module, if refused { "recompiled" } else { "compiled" }))
+    let state = match (refused, damaged) {
+        (true, _) => "recompiled",
+        (_, true) => "recompiled: the cached file failed its check",
+        _ => "compiled",
+    };
+    Ok((module, state))
 }
+
+/// The load report's note when the cache directory is refused (`untrusted_cache_dir` says why).
+pub const NOT_PRIVATE: &str =
+    "compiled, not cached: the kernel cache directory is missing, not owned by this user or writable by others";
 
 pub trait Runtime: Send + Sync {
     /// Device name, architecture and kernel-cache state, for load reports.
@@ -262,5 +328,90 @@ mod tests {
         let failed = load_kernels(&path, || Err(crate::Error::Device("nvrtc".into())), load);
         assert!(matches!(failed, Err(crate::Error::Device(m)) if m == "nvrtc"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A cached file whose code was changed but whose trailer was kept is refused, compiled again
+    /// and replaced: the driver never sees it.
+    #[test]
+    fn a_tampered_cache_file_is_refused_and_recompiled() {
+        let dir = std::env::temp_dir().join(format!("atlas-kernel-tamper-{}", std::process::id()));
+        let path = dir.join("kernels.bin");
+        let ours: Vec<u8> = b"\x7fELF".iter().copied().chain((0..4096u32).map(|i| (i * 13) as u8)).collect();
+        store_in_cache(&path, &ours);
+        let mut file = std::fs::read(&path).unwrap();
+        file[200] ^= 0x55; // the code, not the trailer
+        std::fs::write(&path, &file).unwrap();
+        assert_eq!(load_from_cache(&path), None);
+
+        let compiles = std::cell::Cell::new(0);
+        let loaded = std::cell::RefCell::new(Vec::new());
+        let (module, state) = load_kernels(
+            &path,
+            || {
+                compiles.set(compiles.get() + 1);
+                Ok(ours.clone())
+            },
+            |code| {
+                loaded.borrow_mut().push(code.to_vec());
+                Ok(code.len())
+            },
+        )
+        .unwrap();
+        assert_eq!((module, state, compiles.get()), (ours.len(), "recompiled: the cached file failed its check", 1));
+        assert_eq!(*loaded.borrow(), vec![ours.clone()], "only the compiled code reached the driver");
+        assert_eq!(load_from_cache(&path).as_deref(), Some(&ours[..]), "the cached file was replaced");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The cache directory is made 0700 and its files 0600; a directory (or file) its group or
+    /// others can write is refused: compiled every time, nothing read or written there.
+    #[cfg(unix)]
+    #[test]
+    fn the_kernel_cache_is_private_or_unused() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let root = std::env::temp_dir().join(format!("atlas-kernel-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (cache, kernels) = (root.join("atlas"), root.join("atlas").join("kernels"));
+        let path = kernels.join("kernels.bin");
+        let code = b"\x7fELF private".to_vec();
+        let compile = || -> Result<Vec<u8>> { Ok(code.clone()) };
+        let load = |c: &[u8]| -> Result<Vec<u8>> { Ok(c.to_vec()) };
+
+        assert_eq!(load_kernels(&path, compile, load).unwrap().1, "compiled");
+        assert_eq!((mode(&root), mode(&cache), mode(&kernels)), (0o700, 0o700, 0o700));
+        assert_eq!(mode(&path) & 0o077, 0, "{:o}", mode(&path));
+        assert_eq!(untrusted_cache_dir(&kernels), None);
+        assert_eq!(load_kernels(&path, compile, load).unwrap().1, "cached");
+
+        // A cached file others may write is not loaded (and is replaced).
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert_eq!(load_from_cache(&path), None);
+        assert_eq!(load_kernels(&path, compile, load).unwrap().1, "recompiled: the cached file failed its check");
+        assert_eq!(load_from_cache(&path).as_deref(), Some(&code[..]));
+
+        // A group-writable cache directory: refused, the cached file is neither read nor replaced.
+        std::fs::set_permissions(&kernels, std::fs::Permissions::from_mode(0o770)).unwrap();
+        let why = untrusted_cache_dir(&kernels).expect("a group-writable directory is refused");
+        assert!(why.contains("writable by its group or others (mode 770)"), "{why}");
+        std::fs::write(&path, b"planted").unwrap();
+        let compiles = std::cell::Cell::new(0);
+        let counted = || -> Result<Vec<u8>> {
+            compiles.set(compiles.get() + 1);
+            Ok(code.clone())
+        };
+        assert_eq!(load_kernels(&path, counted, load).unwrap(), (code.clone(), NOT_PRIVATE));
+        assert_eq!((compiles.get(), std::fs::read(&path).unwrap()), (1, b"planted".to_vec()));
+
+        // Another owner (only root can make one): refused too.
+        std::fs::set_permissions(&kernels, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&kernels, Some(65534), None).unwrap();
+            let why = untrusted_cache_dir(&kernels).expect("another user's directory is refused");
+            assert!(why.contains("is owned by uid 65534"), "{why}");
+            assert_eq!(load_kernels(&path, compile, load).unwrap().1, NOT_PRIVATE);
+        }
+        let _ = std::fs::remove_dir_all(&root);
     }
 }
