@@ -5,7 +5,7 @@
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::PathBuf;
 
-use atlas::api::{chat_completion, ChatRequest};
+use atlas::api::{chat_completion, random_id, ChatRequest};
 use atlas::ffi::{atlas_chat_completion, atlas_load, atlas_string_free, atlas_unload, AtlasModel, AtlasStatus};
 use atlas::{Device, Engine, EngineOptions, Error};
 use serde_json::{json, Value};
@@ -149,10 +149,14 @@ fn ffi_chat(model: *mut AtlasModel, req: &str) -> (i32, Option<Value>) {
     let req = CString::new(req).unwrap();
     let (mut resp, mut err): (*mut c_char, *mut c_char) = (std::ptr::null_mut(), std::ptr::null_mut());
     let mut sink = Sink(Vec::new());
+    // SAFETY: NUL-terminated request, a callback that gets `sink` (alive for the call) and
+    // out-pointers to locals.
     let rc = unsafe {
         atlas_chat_completion(model, req.as_ptr(), Some(collect), &mut sink as *mut Sink as *mut c_void, &mut resp, &mut err)
     };
+    // SAFETY: a non-null response is a NUL-terminated string the library returned.
     let out = (!resp.is_null()).then(|| serde_json::from_str(&unsafe { CStr::from_ptr(resp) }.to_string_lossy()).unwrap());
+    // SAFETY: strings the library returned (or null), each freed once.
     unsafe {
         atlas_string_free(resp);
         atlas_string_free(err);
@@ -164,12 +168,14 @@ fn ffi_chat(model: *mut AtlasModel, req: &str) -> (i32, Option<Value>) {
 struct Handle(*mut AtlasModel);
 // SAFETY: the C ABI documents that a model handle may be used from any thread.
 unsafe impl Send for Handle {}
+// SAFETY: as above.
 unsafe impl Sync for Handle {}
 
 #[test]
 fn four_threads_share_one_model() {
     let opts = CString::new(json!({"model": model_dir(), "device": "cpu", "ctx_size": 512}).to_string()).unwrap();
     let mut model = std::ptr::null_mut();
+    // SAFETY: NUL-terminated options and an out-pointer to a local.
     let rc = unsafe { atlas_load(opts.as_ptr(), &mut model, std::ptr::null_mut()) };
     assert_eq!(rc, AtlasStatus::Ok as i32);
     let handle = Handle(model);
@@ -193,5 +199,60 @@ fn four_threads_share_one_model() {
             });
         }
     });
+    // SAFETY: a handle atlas_load returned, unloaded once.
     unsafe { atlas_unload(handle.0) };
+}
+
+/// Ids are 128 random bits: 10,000 from the generator itself on four threads (the response and
+/// tool-call ids of as many requests) never repeat, and neither do those of real requests made
+/// within the same second through the C ABI, whose streamed chunks carry their response's id.
+#[test]
+fn response_ids_never_repeat() {
+    let ids: Vec<String> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..4)
+            .map(|t| s.spawn(move || (0..2500).map(|_| random_id(if t % 2 == 0 { "chatcmpl-" } else { "call_" })).collect::<Vec<_>>()))
+            .collect();
+        threads.into_iter().flat_map(|t| t.join().unwrap()).collect()
+    });
+    let mut seen = std::collections::HashSet::new();
+    for id in &ids {
+        let hex = id.strip_prefix("chatcmpl-").or_else(|| id.strip_prefix("call_")).unwrap();
+        assert!(hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        assert!(seen.insert(hex.to_string()), "{id} repeats");
+    }
+    assert_eq!(seen.len(), 10_000);
+
+    let opts = CString::new(json!({"model": model_dir(), "device": "cpu", "ctx_size": 256}).to_string()).unwrap();
+    let mut model = std::ptr::null_mut();
+    // SAFETY: NUL-terminated options and an out-pointer to a local.
+    let rc = unsafe { atlas_load(opts.as_ptr(), &mut model, std::ptr::null_mut()) };
+    assert_eq!(rc, AtlasStatus::Ok as i32);
+    let req = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, "stream": true}).to_string();
+    let mut request_ids = std::collections::HashSet::new();
+    for _ in 0..10 {
+        let req = CString::new(req.as_str()).unwrap();
+        let (mut resp, mut err): (*mut c_char, *mut c_char) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let mut sink = Sink(Vec::new());
+        // SAFETY: as in ffi_chat.
+        let rc = unsafe { atlas_chat_completion(model, req.as_ptr(), Some(collect), &mut sink as *mut Sink as *mut c_void, &mut resp, &mut err) };
+        assert_eq!(rc, 0);
+        // SAFETY: on success the response is a NUL-terminated string the library returned.
+        let text = unsafe { CStr::from_ptr(resp) }.to_string_lossy().into_owned();
+        // SAFETY: strings the library returned (or null), each freed once.
+        unsafe {
+            atlas_string_free(resp);
+            atlas_string_free(err);
+        }
+        let resp: Value = serde_json::from_str(&text).unwrap();
+        let id = resp["id"].as_str().unwrap().to_string();
+        assert!(id.starts_with("chatcmpl-") && id.len() == 9 + 32, "{id}");
+        assert!(!sink.0.is_empty());
+        for chunk in &sink.0 {
+            assert_eq!(serde_json::from_str::<Value>(chunk).unwrap()["id"], json!(id));
+        }
+        assert!(request_ids.insert(id.clone()), "{id} repeats");
+        assert!(!seen.contains(&id["chatcmpl-".len()..]), "{id} repeats");
+    }
+    // SAFETY: a handle atlas_load returned, unloaded once.
+    unsafe { atlas_unload(model) };
 }

@@ -9,7 +9,7 @@ pub use request::{ChatRequest, SamplingOverrides, ToolChoice};
 
 use crate::chat::output::{Delta, OutputParser};
 use crate::engine::{Engine, FinishReason, Frontend, GenerateRequest};
-use crate::sampling::{Rng, SamplingParams};
+use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
 /// Receives each streamed chunk as JSON text; returns false to cancel the request.
@@ -70,9 +70,8 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let mut ids = Rng::new(created ^ u64::from(std::process::id()) ^ (request as *const _ as u64));
     let mut stream = Stream {
-        id: format!("chatcmpl-{:016x}{:08x}", ids.next_u64(), ids.next_u64() as u32),
+        id: random_id("chatcmpl-"),
         created,
         model,
         enabled: request.stream,
@@ -91,7 +90,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
     let mut failed: Option<Error> = None;
     let result = engine.generate(&gen, &mut |piece| {
         let deltas = parser.push(piece);
-        match answer.absorb(deltas, &mut stream, &mut ids, request.parallel_tool_calls) {
+        match answer.absorb(deltas, &mut stream, request.parallel_tool_calls) {
             Ok(()) => true,
             Err(e) => {
                 failed = Some(e);
@@ -103,7 +102,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         (_, Some(e)) | (Err(e), None) => return Err(e),
         (Ok(g), None) => g,
     };
-    answer.absorb(parser.finish(), &mut stream, &mut ids, request.parallel_tool_calls)?;
+    answer.absorb(parser.finish(), &mut stream, request.parallel_tool_calls)?;
 
     let finish_reason = if !answer.tool_calls.is_empty() {
         "tool_calls"
@@ -158,6 +157,36 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
     }))
 }
 
+/// `prefix` and 128 random bits in hex: the ids of responses (`chatcmpl-...`) and tool calls
+/// (`call_...`), unique across requests, threads and processes. The bits come from the operating
+/// system (getrandom); should that fail, from std's randomly keyed SipHash over a process-wide
+/// counter, the time and the process id.
+pub fn random_id(prefix: &str) -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        use std::hash::{BuildHasher, Hasher};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let state = std::collections::hash_map::RandomState::new();
+        for (i, half) in bytes.chunks_mut(8).enumerate() {
+            let mut h = state.build_hasher();
+            h.write_u64(n);
+            h.write_u128(nanos);
+            h.write_u32(std::process::id());
+            h.write_usize(i);
+            half.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    let mut id = String::with_capacity(prefix.len() + 32);
+    id.push_str(prefix);
+    for b in bytes {
+        id.push_str(&format!("{b:02x}"));
+    }
+    id
+}
+
 fn per_second(n: usize, ms: f64) -> f64 {
     if ms > 0.0 {
         n as f64 * 1e3 / ms
@@ -204,7 +233,7 @@ struct Answer {
 }
 
 impl Answer {
-    fn absorb(&mut self, deltas: Vec<Delta>, stream: &mut Stream, ids: &mut Rng, parallel: bool) -> Result<()> {
+    fn absorb(&mut self, deltas: Vec<Delta>, stream: &mut Stream, parallel: bool) -> Result<()> {
         for d in deltas {
             match d {
                 Delta::Content(t) => {
@@ -218,7 +247,7 @@ impl Answer {
                 Delta::ToolCall(_) if !parallel && !self.tool_calls.is_empty() => {}
                 Delta::ToolCall(call) => {
                     let index = self.tool_calls.len();
-                    let id = format!("call_{:016x}", ids.next_u64());
+                    let id = random_id("call_");
                     let head = json!({"index": index, "id": id, "type": "function",
                                       "function": {"name": call.name, "arguments": ""}});
                     stream.send(json!({"tool_calls": [head]}), None)?;
