@@ -303,7 +303,9 @@ mod tests {
         let mut err: *mut c_char = std::ptr::null_mut();
         let rc = guarded(&mut err, || panic!("boom {}", 7));
         assert_eq!(rc, AtlasStatus::Internal as i32);
+        // SAFETY: `guarded` set `err` to a NUL-terminated string of ours.
         let msg = unsafe { CStr::from_ptr(err) }.to_str().unwrap().to_string();
+        // SAFETY: that string, freed once.
         unsafe { atlas_string_free(err) };
         assert_eq!(msg, "internal error: boom 7");
     }

@@ -300,7 +300,7 @@ fn tools(v: &Value) -> Result<Option<Value>> {
             return Err(Error::Unsupported(format!("tools[{i}]: only type \"function\" tools")));
         }
         let name = t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
-        if name.map_or(true, str::is_empty) {
+        if name.is_none_or(str::is_empty) {
             return Err(bad(&format!("tools[{i}].function has no name")));
         }
     }

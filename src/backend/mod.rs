@@ -8,7 +8,7 @@ use crate::quant::QuantMatrix;
 use crate::Result;
 
 /// Rotary embedding parameters shared by every layer: `inv_freq[i]` rotates the pair
-/// (x[i], x[i + r/2]) of each head by `position * inv_freq[i]` (the "rotate half" layout), where
+/// `(x[i], x[i + r/2])` of each head by `position * inv_freq[i]` (the "rotate half" layout), where
 /// r = 2 · inv_freq.len() is the rotated part of the head: all of it, or its first dimensions
 /// (partial rotary, Qwen3.5); the rest passes through.
 #[derive(Debug, Clone)]

@@ -148,7 +148,7 @@ impl OutputParser {
         let think = think.filter(|&at| self.pending[..at].trim().is_empty());
         let call = self.parse_tools.then(|| self.pending.find(CALL_OPEN)).flatten();
         match (think, call) {
-            (Some(at), c) if c.map_or(true, |c| at < c) => {
+            (Some(at), c) if c.is_none_or(|c| at < c) => {
                 self.pending.drain(..at + THINK_OPEN.len());
                 self.mode = Mode::Reasoning;
                 self.skip_ws = true;

@@ -699,7 +699,7 @@ impl GgufStore {
             bos_token_id: id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids,
         };
-        config.validate_gguf(&self.gguf_arch).map_err(|e| match e {
+        config.validate_gguf(self.gguf_arch).map_err(|e| match e {
             Error::InvalidArgument(reason) => bad(reason),
             other => other,
         })?;

@@ -191,7 +191,7 @@ impl ModelConfig {
         if let Some(q) = json.get("quantization_config").filter(|q| !q.is_null()) {
             let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
             let block = q.get("weight_block_size").and_then(Value::as_array);
-            let block_ok = block.map_or(true, |b| b.iter().all(|v| v.as_u64() == Some(128)));
+            let block_ok = block.is_none_or(|b| b.iter().all(|v| v.as_u64() == Some(128)));
             if method != "fp8" || !block_ok {
                 return Err(Error::Unsupported(format!(
                     "quantization_config {q} (supported: quant_method fp8 with 128x128 weight blocks)"

@@ -17,7 +17,8 @@ pub struct SyntheticSource {
 }
 
 /// (name, hidden, ffn, layers, heads, kv heads, head_dim, vocab, tied)
-const SHAPES: [(&str, usize, usize, usize, usize, usize, usize, usize, bool); 4] = [
+type Shape = (&'static str, usize, usize, usize, usize, usize, usize, usize, bool);
+const SHAPES: [Shape; 4] = [
     ("qwen3-0.6b", 1024, 3072, 28, 16, 8, 128, 151_936, true),
     ("qwen3-1.7b", 2048, 6144, 28, 16, 8, 128, 151_936, true),
     ("qwen3-4b", 2560, 9728, 36, 32, 8, 128, 151_936, true),

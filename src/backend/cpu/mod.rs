@@ -313,7 +313,7 @@ impl Backend for CpuBackend {
 
     fn conv1d_silu(&self, x: &CpuTensor, weight: &CpuTensor, state: &mut CpuTensor) -> Result<CpuTensor> {
         let (t, c) = (x.rows, x.cols);
-        let k = if c == 0 { 0 } else { weight.data.len() / c };
+        let k = weight.data.len().checked_div(c).unwrap_or(0);
         if k == 0 || weight.data.len() != c * k || state.data.len() != (k - 1) * c {
             return Err(Error::InvalidArgument(format!(
                 "conv1d: {c} channels, weight of {} values, state of {}",

@@ -43,6 +43,7 @@ pub struct CudaRuntime {
 // is made current on the calling thread for every use; the engine serialises all calls on one
 // model.
 unsafe impl Send for CudaRuntime {}
+// SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
 pub(crate) const KERNELS: [&str; 37] = [
@@ -212,6 +213,7 @@ fn nvrtc_compile(source: &str, arch: &str, options: &[String]) -> Result<Vec<u8>
         // SAFETY: as above.
         let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
         let log: String = log.iter().map(|&c| c as u8 as char).collect();
+        // SAFETY: `prog` is live and not used again.
         unsafe { nvrtc::destroy_program(prog) }.ok();
         return Err(Error::Device(format!("NVRTC could not compile the kernels for {arch}:\n{log}")));
     }

@@ -29,7 +29,7 @@ impl GpuBackend {
     pub(super) fn launch_conv1d_silu(&self, x: &GpuTensor, weight: &GpuTensor, state: &mut GpuTensor) -> Result<GpuTensor> {
         let (t, c) = (x.rows, x.cols);
         let n_weight = weight.rows * weight.cols;
-        let k = if c == 0 { 0 } else { n_weight / c };
+        let k = n_weight.checked_div(c).unwrap_or(0);
         if k == 0 || n_weight != c * k || state.rows * state.cols != (k - 1) * c {
             return Err(Error::InvalidArgument(format!(
                 "conv1d: {c} channels, weight of {n_weight} values, state of {}",

@@ -385,6 +385,7 @@ fn load_api() -> std::result::Result<Api, String> {
             libraries.push(lib);
             (rtc, path.display().to_string())
         }
+        // SAFETY: the signatures of hiprtc.h, which HIP runtimes that carry hipRTC export.
         None => match unsafe { load_rtc(&hip_lib) } {
             Ok(rtc) => (rtc, format!("{} (built in)", hip_path.display())),
             Err(_) => {
@@ -561,6 +562,7 @@ pub struct HipRuntime {
 // SAFETY: the stream, module and function handles are process-wide HIP objects; the device is made
 // current on the calling thread before every use, and the engine serialises calls on one model.
 unsafe impl Send for HipRuntime {}
+// SAFETY: as above.
 unsafe impl Sync for HipRuntime {}
 
 /// The calling thread's current device, made current again when dropped: HIP keeps the device per
@@ -761,9 +763,9 @@ fn compile(api: &Api, source: &str, arch: &str, options: &[String]) -> Result<Ve
     let opts: Vec<CString> = options.iter().map(|o| CString::new(o.as_str())).collect::<std::result::Result<_, _>>().map_err(|e| Error::Device(format!("hipRTC option: {e}")))?;
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: Program = std::ptr::null_mut();
-    // SAFETY: NUL-terminated source and name, no headers.
     api.check_rtc(
         "create program",
+        // SAFETY: NUL-terminated source and name, no headers.
         unsafe { (rtc.create_program)(&mut prog, src.as_ptr(), c"atlas_kernels.hip".as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
     )?;
     // SAFETY: `prog` is live until destroyed at the end; buffers are sized by the size queries.
@@ -824,7 +826,9 @@ impl Runtime for HipRuntime {
                 // SAFETY: the pool (own_pool checked that this call exists with it) and the stream
                 // are live; the pointer is an out-parameter.
                 let status = match (*own, hip.malloc_from_pool_async, hip.malloc_async) {
+                    // SAFETY: as above.
                     (Some(pool), Some(malloc_from_pool), _) => unsafe { malloc_from_pool(&mut p, size, pool, self.stream) },
+                    // SAFETY: as above.
                     (None, _, Some(malloc_async)) => unsafe { malloc_async(&mut p, size, self.stream) },
                     _ => return Err(Error::Device("HIP alloc: no stream-ordered allocation entry point".into())),
                 };

@@ -283,7 +283,7 @@ impl GpuBackend {
     /// The rotary frequency table on the device, uploaded on first use.
     fn rope_freqs(&self, rope: &Rope) -> Result<u64> {
         let mut table = self.rope_table.lock().unwrap_or_else(|p| p.into_inner());
-        if table.as_ref().map_or(true, |(host, _)| *host != rope.inv_freq) {
+        if table.as_ref().is_none_or(|(host, _)| *host != rope.inv_freq) {
             *table = Some((rope.inv_freq.clone(), self.upload_f32(1, rope.inv_freq.len(), &rope.inv_freq)?));
         }
         Ok(table.as_ref().map_or(0, |(_, t)| t.buf.ptr))
