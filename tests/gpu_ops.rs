@@ -2,7 +2,7 @@
 //! Tolerances (max abs difference over max abs reference): 1e-4 for f32 arithmetic over the same
 //! bf16 weights, 1e-2 to 2e-2 where the GPU rounds to bf16 (prefill activations on the matrix
 //! cores, the KV cache, weights converted from f32).
-//! Skipped, with a message, where no GPU is present.
+//! Skipped where no GPU is present, with a message and a line in `$ATLAS_SKIP_LOG` (see `skipped`).
 
 use std::path::PathBuf;
 
@@ -16,14 +16,27 @@ use atlas::{Device, Engine, EngineOptions, GenerateRequest};
 
 fn gpu() -> Option<GpuBackend> {
     if !cuda::available() {
-        println!("skipping: no CUDA driver on this machine");
+        skipped("no CUDA driver on this machine");
         return None;
     }
     match GpuBackend::cuda() {
         Ok(g) => Some(g),
         Err(e) => {
-            println!("skipping: {e}");
+            skipped(&e.to_string());
             None
+        }
+    }
+}
+
+/// Cargo reports a test that returns early as `ok`, so each skip is also written to
+/// `$ATLAS_SKIP_LOG` when set: scripts/test.sh counts those lines into its summary.
+fn skipped(reason: &str) {
+    let test = std::thread::current().name().unwrap_or("gpu_ops").to_string();
+    println!("skipped: {test}: {reason}");
+    if let Some(log) = std::env::var_os("ATLAS_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = writeln!(f, "tests/gpu_ops.rs {test}: {reason}");
         }
     }
 }

@@ -181,16 +181,27 @@ struct GenArgs {
     /// Sampling temperature; 0 is greedy. Default: the model's generation_config.json.
     #[arg(long)]
     temperature: Option<f32>,
+    /// Sample only from the K most likely tokens; 0 turns the limit off. Default: the model's.
     #[arg(long)]
     top_k: Option<usize>,
+    /// Sample only from the most likely tokens whose probabilities add up to P (nucleus
+    /// sampling); 1 turns it off. Default: the model's.
     #[arg(long)]
     top_p: Option<f32>,
+    /// Drop tokens less likely than MIN_P times the most likely one; 0 turns it off. Default: the
+    /// model's.
     #[arg(long)]
     min_p: Option<f32>,
+    /// Divide the positive logits (multiply the negative ones) of tokens already in the prompt or
+    /// answer by this; 1 turns it off. Default: the model's.
     #[arg(long)]
     repeat_penalty: Option<f32>,
+    /// Subtract this from the logits of tokens already in the answer, once; 0 turns it off.
+    /// Default: the model's.
     #[arg(long)]
     presence_penalty: Option<f32>,
+    /// Subtract this from the logits of tokens already in the answer, times their count; 0 turns
+    /// it off. Default: the model's.
     #[arg(long)]
     frequency_penalty: Option<f32>,
     /// Random seed; the same seed gives the same answer.

