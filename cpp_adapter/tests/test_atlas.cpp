@@ -12,7 +12,39 @@
 #include <utility>
 #include <vector>
 
+#ifdef _WIN32
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
+#ifndef WIN32_LEAN_AND_MEAN
+#define WIN32_LEAN_AND_MEAN
+#endif
+#include <windows.h>
+#include <shellapi.h>
+#endif
+
 namespace {
+
+// The command-line arguments in UTF-8, which is what the library takes. On Windows main()'s argv
+// is in the ANSI code page, which mangles a path outside it: the wide command line is converted.
+std::vector<std::string> utf8_args(int argc, char** argv) {
+#ifdef _WIN32
+    int wargc = 0;
+    if (wchar_t** wargv = CommandLineToArgvW(GetCommandLineW(), &wargc)) {
+        std::vector<std::string> args;
+        for (int i = 0; i < wargc; i++) {
+            const int n = WideCharToMultiByte(CP_UTF8, 0, wargv[i], -1, nullptr, 0, nullptr, nullptr);
+            std::string arg(n > 0 ? static_cast<std::size_t>(n) : 1, '\0');
+            WideCharToMultiByte(CP_UTF8, 0, wargv[i], -1, &arg[0], n, nullptr, nullptr);
+            arg.resize(arg.size() - 1);  // the terminating NUL
+            args.push_back(arg);
+        }
+        LocalFree(wargv);
+        if (wargc == argc) return args;
+    }
+#endif
+    return std::vector<std::string>(argv, argv + argc);
+}
 
 int passed = 0;
 int failed = 0;
@@ -91,6 +123,16 @@ std::string member(const std::string& json, const std::string& key) {
     return "";
 }
 
+// A JSON string literal for s: model paths on Windows hold backslashes.
+std::string json_string(const std::string& s) {
+    std::string out = "\"";
+    for (const char c : s) {
+        if (c == '"' || c == '\\') out += '\\';
+        out += c;
+    }
+    return out + "\"";
+}
+
 // --- The tests. ---
 
 const std::string GREEDY = R"({"messages":[{"role":"user","content":"Hi"}],"temperature":0,"max_tokens":16)";
@@ -110,7 +152,7 @@ void test_library() {
 void test_load_errors(const std::string& dir) {
     const std::string missing = dir + "/no-such-model";
     EXPECT_ERROR(ATLAS_STATUS_MODEL_LOAD, missing, atlas::Model(missing, "cpu"));
-    EXPECT_ERROR(ATLAS_STATUS_MODEL_LOAD, missing, atlas::Model(R"({"model":")" + missing + R"("})"));
+    EXPECT_ERROR(ATLAS_STATUS_MODEL_LOAD, missing, atlas::Model(R"({"model":)" + json_string(missing) + "}"));
     // Quotes and backslashes in the path must reach the library as a path, not break the JSON.
     EXPECT_ERROR(ATLAS_STATUS_MODEL_LOAD, "", atlas::Model(dir + "/a \"quoted\\\" dir\n", "cpu"));
     EXPECT_ERROR(ATLAS_STATUS_INVALID_ARGUMENT, "tpu", atlas::Model(dir, "tpu"));
@@ -226,14 +268,15 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: %s MODEL_DIR [LIBRARY]\n", argv[0]);
         return 2;
     }
-    const std::string dir = argv[1];
+    const std::vector<std::string> args = utf8_args(argc, argv);
+    const std::string dir = args[1];
     std::printf("atlas %s (ABI %u)%s%s, model %s\n", atlas::version().c_str(), atlas::abi_version(),
-                argc > 2 ? " from " : "", argc > 2 ? argv[2] : "", dir.c_str());
+                argc > 2 ? " from " : "", argc > 2 ? args[2].c_str() : "", dir.c_str());
 
     run("library", test_library);
     run("load errors", [&] { test_load_errors(dir); });
     run("model", [&] {
-        const atlas::Model model(R"({"model":")" + dir + R"(","device":"cpu","ctx_size":256,"threads":2})");
+        const atlas::Model model(R"({"model":)" + json_string(dir) + R"(,"device":"cpu","ctx_size":256,"threads":2})");
         test_model(model);
     });
     run("move", [&] { test_move(dir); });
