@@ -118,63 +118,11 @@ n_exports=$(wc -w <<<"$exports")
 ((n_import == n_exports)) || die "atlas.dll.lib: $n_import COFF short-import members for $n_exports exports"
 grep -q "^Format: COFF-x86-64" <<<"$members" || die "atlas.dll.lib: no x86-64 import descriptor"
 
-# Licences: Atlas's (MIT OR Apache-2.0), then everything linked into the binaries: the crates
-# (normal dependencies for this target, from cargo metadata) and the MinGW-w64 runtime objects.
-cat >"$stage/LICENSE-MIT" <<'EOF'
-MIT License
-
-Copyright (c) The Atlas authors
-
-Permission is hereby granted, free of charge, to any person obtaining a copy of this software and
-associated documentation files (the "Software"), to deal in the Software without restriction,
-including without limitation the rights to use, copy, modify, merge, publish, distribute,
-sublicense, and/or sell copies of the Software, and to permit persons to whom the Software is
-furnished to do so, subject to the following conditions:
-
-The above copyright notice and this permission notice shall be included in all copies or
-substantial portions of the Software.
-
-THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT
-NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND
-NONINFRINGEMENT. IN NO EVENT SHALL THE AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM,
-DAMAGES OR OTHER LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT
-OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SOFTWARE.
-EOF
-[[ -f /usr/share/common-licenses/Apache-2.0 ]] || die "/usr/share/common-licenses/Apache-2.0 is missing (Debian's base-files)"
-cp /usr/share/common-licenses/Apache-2.0 "$stage/LICENSE-APACHE"
-cargo metadata --locked --format-version 1 --filter-platform "$target" >"$tdir/windows-dist/metadata.json"
-python3 - "$tdir/windows-dist/metadata.json" "$stage/licenses/THIRD-PARTY-CRATES.txt" <<'EOF'
-import json, os, sys
-meta = json.load(open(sys.argv[1]))
-packages = {p["id"]: p for p in meta["packages"]}
-nodes = {n["id"]: n for n in meta["resolve"]["nodes"]}
-root = meta["resolve"]["root"]
-# Normal (not build or dev) dependencies, transitively: what is compiled into atlas.dll/atlas.exe.
-seen, todo = set(), [root]
-while todo:
-    for dep in nodes[todo.pop()]["deps"]:
-        if any(k["kind"] is None for k in dep["dep_kinds"]) and dep["pkg"] not in seen:
-            seen.add(dep["pkg"])
-            todo.append(dep["pkg"])
-out = ["Third-party crates compiled into atlas.dll and atlas.exe, with their licence texts.\n"]
-for pid in sorted(seen, key=lambda i: (packages[i]["name"], packages[i]["version"])):
-    p = packages[pid]
-    folder = os.path.dirname(p["manifest_path"])
-    files = sorted(f for f in os.listdir(folder)
-                   if f.upper().startswith(("LICENSE", "LICENCE", "COPYING", "NOTICE", "UNLICENSE")) and os.path.isfile(os.path.join(folder, f)))
-    out.append("=" * 100)
-    out.append(f"{p['name']} {p['version']}: {p.get('license') or p.get('license_file') or 'see below'}")
-    if p.get("repository"):
-        out.append(p["repository"])
-    for f in files:
-        out.append("-" * 40 + f" {f}")
-        out.append(open(os.path.join(folder, f), encoding="utf-8", errors="replace").read().rstrip())
-    if not files:
-        out.append("(the crate ships no licence file; its licence is the SPDX expression above)")
-    out.append("")
-open(sys.argv[2], "w").write("\n".join(out) + "\n")
-print(f"build_windows: {len(seen)} crates in licenses/THIRD-PARTY-CRATES.txt", file=sys.stderr)
-EOF
+# Licences: Atlas's (MIT OR Apache-2.0, the repository's own files), then everything linked into the
+# binaries: the crates (normal dependencies for this target, from cargo metadata, with their licence
+# and NOTICE files: scripts/third_party.py) and the MinGW-w64 runtime objects.
+cp LICENSE-MIT LICENSE-APACHE "$stage/"
+python3 scripts/third_party.py --target "$target" --out "$stage/licenses/THIRD-PARTY-CRATES.txt"
 for f in mingw-w64-x86-64-dev gcc-mingw-w64-base; do
     [[ -f /usr/share/doc/$f/copyright ]] && cp "/usr/share/doc/$f/copyright" "$stage/licenses/$f.copyright.txt"
 done
