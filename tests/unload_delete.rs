@@ -91,14 +91,19 @@ fn model_directory_after_atlas_unload() {
     let opts = CString::new(opts).unwrap();
     let mut model = std::ptr::null_mut();
     let mut err: *mut c_char = std::ptr::null_mut();
+    // SAFETY: NUL-terminated options and out-pointers to locals.
     let rc = unsafe { atlas_load(opts.as_ptr(), &mut model, &mut err) };
+    // SAFETY: on failure (the only time the message is formatted) `err` is the library's string.
     assert_eq!(rc, AtlasStatus::Ok as i32, "{}", unsafe { CStr::from_ptr(err) }.to_string_lossy());
 
     let req = CString::new(r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"temperature":0}"#).unwrap();
     let mut resp: *mut c_char = std::ptr::null_mut();
+    // SAFETY: a loaded model, a NUL-terminated request, no callback, out-pointers to locals.
     let rc = unsafe { atlas_chat_completion(model, req.as_ptr(), None, std::ptr::null_mut(), &mut resp, &mut err) };
     assert_eq!(rc, AtlasStatus::Ok as i32);
+    // SAFETY: on success `resp` is the library's NUL-terminated response.
     assert!(unsafe { CStr::from_ptr(resp) }.to_string_lossy().contains("chat.completion"));
+    // SAFETY: the response freed once, the model unloaded once.
     unsafe {
         atlas_string_free(resp);
         atlas_unload(model);
