@@ -23,6 +23,27 @@ use crate::{Error, Result};
 /// extension-based auto-escaping can never switch on.
 const TEMPLATE_NAME: &str = "chat_template";
 
+// A template comes with the model files, so it may be hostile: every render has a budget that
+// ends it with an error, never a hang, an exhausted stack or an allocation that aborts the host.
+/// minijinja fuel (about one per instruction and per 64 bytes of data made) of every render...
+const RENDER_FUEL: u64 = 2_000_000;
+/// ... plus this much per byte of the conversation, tools and kwargs, so the budget of a real
+/// template grows with the request (a chat template spends about 1 per byte) ...
+const RENDER_FUEL_PER_BYTE: u64 = 8;
+/// ... up to this much, whatever the request.
+const MAX_RENDER_FUEL: u64 = 50_000_000;
+/// A template can nest a value once per loop iteration (`{% set ns.x = [ns.x] %}`, about 8 fuel
+/// a level), and minijinja drops, compares and prints values recursively: the render runs on a
+/// thread whose stack holds the deepest value its fuel can build (the pages are only touched as
+/// deep as a template goes).
+const RENDER_STACK_BYTES: usize = 1 << 30;
+/// Template recursion (minijinja's own measure: a macro call counts about 10, a block 1).
+const RECURSION_LIMIT: usize = 250;
+/// The most text one render, or one `tojson` / `string` inside it, may produce.
+pub const MAX_RENDER_BYTES: usize = 64 << 20;
+/// Nesting of the values `tojson` and `string` print (a template can nest lists in a loop).
+const MAX_VALUE_DEPTH: usize = 128;
+
 /// A compiled chat template together with the special tokens transformers passes to it.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -122,11 +143,30 @@ impl ChatTemplate {
         ctx.insert("documents".into(), serde_json::Value::Null);
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
 
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(template_error)?;
-        template.render(Serde(&ctx)).map_err(template_error)
+        // The budget grows with what the template is given (serialising it once costs little).
+        let mut counter = LimitedWriter::new(usize::MAX);
+        serde_json::to_writer(&mut counter, &ctx).map_err(|e| Error::Template(e.to_string()))?;
+        let fuel = RENDER_FUEL.saturating_add(RENDER_FUEL_PER_BYTE.saturating_mul(counter.written as u64));
+        let mut env = self.env.clone();
+        env.set_fuel(Some(fuel.min(MAX_RENDER_FUEL)));
+        let render = || {
+            let template = env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+            let mut out = LimitedWriter::new(MAX_RENDER_BYTES);
+            let rendered = template.render_captured_to(Serde(&ctx), &mut out).map(drop);
+            match rendered {
+                Ok(()) => String::from_utf8(out.buf).map_err(|e| Error::Template(format!("the template wrote invalid UTF-8: {e}"))),
+                Err(_) if out.exceeded => Err(too_large("the rendered prompt")),
+                Err(err) => Err(template_error(err)),
+            }
+        };
+        std::thread::scope(|scope| {
+            let thread = std::thread::Builder::new().name("atlas-template".into()).stack_size(RENDER_STACK_BYTES);
+            match thread.spawn_scoped(scope, render) {
+                Ok(handle) => handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                // No thread to be had (address space, limits): render here, with this stack.
+                Err(_) => render(),
+            }
+        })
     }
 }
 
@@ -173,8 +213,53 @@ fn normalize_messages(messages: &serde_json::Value) -> Result<Vec<serde_json::Va
         .collect()
 }
 
+/// Collects (or only counts) bytes up to a limit; writing past it fails, which ends the render.
+struct LimitedWriter {
+    buf: Vec<u8>,
+    written: usize,
+    limit: usize,
+    exceeded: bool,
+}
+
+impl LimitedWriter {
+    /// `limit` usize::MAX counts without keeping anything.
+    fn new(limit: usize) -> Self {
+        LimitedWriter { buf: Vec::new(), written: 0, limit, exceeded: false }
+    }
+}
+
+impl io::Write for LimitedWriter {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        if data.len() > self.limit - self.written {
+            self.exceeded = true;
+            return Err(io::Error::other("output limit"));
+        }
+        self.written += data.len();
+        if self.limit != usize::MAX {
+            self.buf.extend_from_slice(data);
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn too_large(what: &str) -> Error {
+    Error::Template(format!("{what} is larger than {MAX_RENDER_BYTES} bytes, the limit of a chat template's output"))
+}
+
+fn too_large_in_template(what: &str) -> minijinja::Error {
+    minijinja::Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{what} is larger than {MAX_RENDER_BYTES} bytes, the limit of a chat template's output"),
+    )
+}
+
 fn build_environment(source: String) -> Result<Environment<'static>> {
     let mut env = Environment::new();
+    env.set_recursion_limit(RECURSION_LIMIT);
     let syntax = SyntaxConfig::builder()
         .trim_blocks(true)
         .lstrip_blocks(true)
@@ -186,7 +271,9 @@ fn build_environment(source: String) -> Result<Environment<'static>> {
     env.set_formatter(python_formatter);
     env.add_filter("tojson", tojson_filter);
     // `|string` is Python's str() in jinja2, so it must agree with what printing gives.
-    env.add_filter("string", |value: Value| py_str(&value));
+    env.add_filter("string", |state: &State, value: Value| py_str(Some(state), &value));
+    // minijinja's pprint takes time quadratic in a value's depth: printed like str() instead.
+    env.add_filter("pprint", |state: &State, value: Value| py_str(Some(state), &value));
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_template_owned(TEMPLATE_NAME, source)
@@ -322,8 +409,8 @@ impl fmt::Display for RaisedException {
 
 impl std::error::Error for RaisedException {}
 
-fn raise_exception(message: Value) -> std::result::Result<Value, minijinja::Error> {
-    let message = py_str(&message);
+fn raise_exception(state: &State, message: Value) -> std::result::Result<Value, minijinja::Error> {
+    let message = py_str(Some(state), &message)?;
     Err(
         minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
             .with_source(RaisedException(message)),
@@ -457,26 +544,46 @@ fn python_formatter(
         _ => false,
     };
     if pythonic {
-        out.write_str(&py_str(value))
+        out.write_str(&py_str(Some(state), value)?)
             .map_err(|_| minijinja::Error::from(ErrorKind::WriteFailure))
     } else {
         minijinja::escape_formatter(out, state, value)
     }
 }
 
-fn py_str(value: &Value) -> String {
-    match value.kind() {
+/// Python's str(); the items it visits are charged to the render's fuel when `state` is given.
+fn py_str(state: Option<&State>, value: &Value) -> std::result::Result<String, minijinja::Error> {
+    Ok(match value.kind() {
         ValueKind::Undefined => String::new(),
         ValueKind::String => value.as_str().unwrap_or_default().to_owned(),
         _ => {
             let mut out = String::new();
-            write_py_repr(&mut out, value);
+            write_py_repr(&mut out, value, 0, state)?;
             out
         }
-    }
+    })
 }
 
-fn write_py_repr(out: &mut String, value: &Value) {
+/// Python's repr() of `value` at nesting `depth`; fails past MAX_VALUE_DEPTH or MAX_RENDER_BYTES
+/// (a template can nest a list a million deep in a loop, or repeat a long string in a long list).
+fn write_py_repr(
+    out: &mut String,
+    value: &Value,
+    depth: usize,
+    state: Option<&State>,
+) -> std::result::Result<(), minijinja::Error> {
+    if let Some(state) = state {
+        state.consume_fuel(1)?;
+    }
+    if depth > MAX_VALUE_DEPTH {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("a value nested more than {MAX_VALUE_DEPTH} deep cannot be printed"),
+        ));
+    }
+    if out.len() > MAX_RENDER_BYTES {
+        return Err(too_large_in_template("a printed value"));
+    }
     match value.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("None"),
         ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
@@ -494,7 +601,7 @@ fn write_py_repr(out: &mut String, value: &Value) {
                     if count > 0 {
                         out.push_str(", ");
                     }
-                    write_py_repr(out, &item);
+                    write_py_repr(out, &item, depth + 1, state)?;
                     count += 1;
                 }
             }
@@ -510,15 +617,16 @@ fn write_py_repr(out: &mut String, value: &Value) {
                     if i > 0 {
                         out.push_str(", ");
                     }
-                    write_py_repr(out, &key);
+                    write_py_repr(out, &key, depth + 1, state)?;
                     out.push_str(": ");
-                    write_py_repr(out, &value.get_item(&key).unwrap_or_default());
+                    write_py_repr(out, &value.get_item(&key).unwrap_or_default(), depth + 1, state)?;
                 }
             }
             out.push('}');
         }
         _ => out.push_str(&value.to_string()),
     }
+    Ok(())
 }
 
 /// Python's `repr(str)`: single quotes unless the text has a `'` and no `"`; non-printable
@@ -622,6 +730,7 @@ fn py_float_repr(value: f64) -> String {
 /// sort_keys=False)` returning `json.dumps(...)` with those arguments. Positional arguments bind
 /// in that order, so `x|tojson(4)` sets ensure_ascii, not indent, exactly as in transformers.
 fn tojson_filter(
+    state: &State,
     value: &Value,
     positional: Rest<Value>,
     kwargs: Kwargs,
@@ -669,7 +778,12 @@ fn tojson_filter(
                     "tojson indent must be an integer or a string",
                 )
             })?;
-            Some(" ".repeat(n.max(0) as usize))
+            let n = usize::try_from(n.max(0)).unwrap_or(usize::MAX);
+            if n > MAX_RENDER_BYTES {
+                return Err(too_large_in_template("the tojson indent"));
+            }
+            state.consume_fuel(n as u64 / 64)?;
+            Some(" ".repeat(n))
         }
     };
     let (item_sep, key_sep) = match present(&separators) {
@@ -698,13 +812,43 @@ fn tojson_filter(
         key_sep,
         sort_keys: present(&sort_keys).is_some_and(|v| v.is_true()),
     };
+    // serde recurses once per level: a value nested past the limit is refused before it.
+    check_depth(state, value, 0)?;
     let json = serde_json::to_value(value).map_err(|err| {
         minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {err}"))
     })?;
     let text = py_json_dumps(&json, &options).map_err(|err| {
+        if err.is_io() {
+            return too_large_in_template("tojson's output");
+        }
         minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {err}"))
     })?;
     Ok(Value::from(text))
+}
+
+/// Fails when `value` nests deeper than MAX_VALUE_DEPTH; each item visited costs one fuel.
+fn check_depth(state: &State, value: &Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
+    state.consume_fuel(1)?;
+    if depth > MAX_VALUE_DEPTH {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: a value nested more than {MAX_VALUE_DEPTH} deep"),
+        ));
+    }
+    match value.kind() {
+        ValueKind::Seq | ValueKind::Iterable => {
+            for item in value.try_iter()? {
+                check_depth(state, &item, depth + 1)?;
+            }
+        }
+        ValueKind::Map => {
+            for key in value.try_iter()? {
+                check_depth(state, &value.get_item(&key)?, depth + 1)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// The parameters of `json.dumps` that change its output.
@@ -739,17 +883,17 @@ fn py_json_dumps(value: &serde_json::Value, options: &DumpOptions) -> serde_json
     } else {
         value
     };
-    let mut buf = Vec::new();
+    let mut out = LimitedWriter::new(MAX_RENDER_BYTES);
     let formatter = PyJsonFormatter {
         options,
         depth: 0,
         has_value: false,
     };
     value.serialize(&mut serde_json::Serializer::with_formatter(
-        &mut buf, formatter,
+        &mut out, formatter,
     ))?;
     // The formatter only ever writes whole UTF-8 strings.
-    String::from_utf8(buf)
+    String::from_utf8(out.buf)
         .map_err(|err| serde_json::Error::io(io::Error::new(io::ErrorKind::InvalidData, err)))
 }
 
@@ -1195,5 +1339,54 @@ mod tests {
             "j</s>"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Hostile templates (a model file brings its own) end in an error, quickly and without
+    /// exhausting memory or the stack. Found by fuzz/fuzz_targets/chat_template.rs before any
+    /// limit was set: endless loops, gigabytes of output, a list nested a million deep.
+    #[test]
+    fn hostile_templates_end_in_errors() {
+        let start = std::time::Instant::now();
+        let cases = [
+            // 10^10 iterations
+            ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "fuel"),
+            // 100 GB of output
+            ("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}", "fuel"),
+            // unbounded recursion
+            ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
+            // tojson's indent is Python's `' ' * indent`
+            ("{{ messages|tojson(indent=1000000000000) }}", "larger than"),
+            // a list nested 100,000 deep, then printed, serialised and stringified
+            ("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|length }}", ""),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ (ns.x ~ '')|length }}", ""),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x == ns.x }}", ""),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(100) %}{% for j in range(10000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}{{ ns.x|length }}", "fuel"),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(10000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|pprint }}", "nested"),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}", "nested"),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|tojson }}", "nested"),
+            ("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|string }}", "nested"),
+            // one long string printed many times inside a list
+            ("{% set s = 'x' * 10000000 %}{{ [s, s, s, s, s, s, s, s, s, s]|string }}", "larger than"),
+        ];
+        for (source, needle) in cases {
+            let t = std::time::Instant::now();
+            match render_str(source, json!({})) {
+                Ok(out) => assert!(needle.is_empty() && out.len() < 10_000_000, "{source} rendered {} bytes", out.len()),
+                Err(e) => assert!(e.to_string().contains(needle), "{source}: {e}"),
+            }
+            assert!(t.elapsed().as_secs() < 10, "{source} took {:?}", t.elapsed());
+        }
+        assert!(start.elapsed().as_secs() < 30);
+    }
+
+    /// The budget grows with the request: a long real conversation still renders.
+    #[test]
+    fn a_long_conversation_fits_the_budget() {
+        let source = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content|trim }}<|im_end|>\n{% endfor %}";
+        let template = ChatTemplate::new(source, None, None).unwrap();
+        let messages: Vec<serde_json::Value> =
+            (0..100_000).map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "hi"})).collect();
+        let out = template.render(&json!(messages), None, false, &serde_json::Map::new()).unwrap();
+        assert_eq!(out.len(), 50_000 * 30 + 50_000 * 35);
     }
 }
