@@ -1,8 +1,25 @@
 //! tokenizer.json through the `tokenizers` crate, and an incremental detokenizer for streaming.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use crate::{Error, Result};
+
+/// Runs a call into the `tokenizers` crate, turning a panic into an error. Some malformed
+/// tokenizer.json files make it panic instead of failing (0.23: a decoder object cut short hits
+/// `expect("Helper")` in `DecoderWrapper::deserialize`); a tokenizer comes with the model files, so
+/// that must be a load error, not a crash of the host. Nothing outlives the call, so nothing is
+/// left half-changed by the unwinding.
+fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(format!("the tokenizers crate panicked while {what}: {msg}"))
+    })
+}
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -10,7 +27,8 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let inner = guarded("reading tokenizer.json", || text.parse::<tokenizers::Tokenizer>().map_err(|e| e.to_string()))
             .map_err(|e| Error::bad_file(path, format!("cannot read tokenizer: {e}")))?;
         Ok(Tokenizer { inner })
     }
@@ -22,12 +40,12 @@ impl Tokenizer {
     /// Encodes text that already contains its special tokens (a rendered chat template), so no
     /// BOS/EOS is added, as transformers' apply_chat_template(tokenize=True) does.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let enc = guarded("encoding", || self.inner.encode(text, false).map_err(|e| e.to_string())).map_err(Error::Tokenizer)?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| Error::Tokenizer(e.to_string()))
+        guarded("decoding", || self.inner.decode(ids, skip_special).map_err(|e| e.to_string())).map_err(Error::Tokenizer)
     }
 
     /// Ids `0..vocab_size()` are the ones this tokenizer can decode.
@@ -88,5 +106,26 @@ impl Detokenizer {
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();
         Ok(full.get(prefix.len()..).unwrap_or("").to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by fuzz/fuzz_targets/tokenizer_json.rs: a tokenizer.json whose decoder object is cut
+    /// short made `tokenizers` panic inside Tokenizer::from_file; it is a load error naming the file.
+    #[test]
+    fn a_malformed_decoder_is_an_error_not_a_panic() {
+        let dir = std::env::temp_dir().join(format!("atlas-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        let text = r###"{"version": "1.0", "added_tokens": [], "normalizer": null, "pre_tokenizer": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"},
+            "decoder": {"type": "WordPiece", "prefix": "##", "clhead_dimtrue}}"###;
+        std::fs::write(&path, text).unwrap();
+        let err = Tokenizer::from_file(&path).err().expect("a malformed tokenizer.json must not load").to_string();
+        assert!(err.contains("tokenizer.json") && err.contains("cannot read tokenizer"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
