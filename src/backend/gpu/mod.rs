@@ -539,6 +539,24 @@ impl GpuBackend {
         Ok(u32::from_le_bytes(id))
     }
 
+    /// Widens `w` to bf16 on the host (rows in parallel) and uploads it to `at`.
+    fn upload_widened(&self, w: &dyn QuantMatrix, at: u64) -> Result<()> {
+        let cols = w.cols();
+        let mut host = vec![bf16::ZERO; w.rows() * cols];
+        host.par_chunks_mut(cols.max(1)).enumerate().for_each_init(
+            || vec![0f32; cols],
+            |row_buf, (r, out)| {
+                w.dequant_row(r, row_buf);
+                for (o, v) in out.iter_mut().zip(row_buf.iter()) {
+                    *o = bf16::from_f32(*v);
+                }
+            },
+        );
+        // SAFETY: bf16 is a plain 2-byte value.
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), host.len() * 2) };
+        self.rt.upload(at, bytes)
+    }
+
     fn elementwise(&self, kernel: &str, n: usize, args: &[Arg]) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -638,19 +656,7 @@ impl Backend for GpuBackend {
         }
         // Every other format is widened on the host (in parallel) and stored as bf16.
         let buf = DeviceBuffer::new(&self.rt, byte_size(&what, &[rows, cols, 2])?)?;
-        let mut host = vec![bf16::ZERO; rows * cols];
-        host.par_chunks_mut(cols.max(1)).enumerate().for_each_init(
-            || vec![0f32; cols],
-            |row_buf, (r, out)| {
-                w.dequant_row(r, row_buf);
-                for (o, v) in out.iter_mut().zip(row_buf.iter()) {
-                    *o = bf16::from_f32(*v);
-                }
-            },
-        );
-        // SAFETY: bf16 is a plain 2-byte value.
-        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), host.len() * 2) };
-        self.rt.upload(buf.ptr, bytes)?;
+        self.upload_widened(w.as_ref(), buf.ptr)?;
         Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Bf16 })
     }
 

@@ -10,8 +10,6 @@
 //!   gathered in that order, grouped GEMMs for gate and up (one launch), `silu_mul`, a grouped GEMM
 //!   for down, and `moe_combine`; `MOE_CHUNK_TOKENS` tokens at a time.
 
-use half::bf16;
-use rayon::prelude::*;
 
 use super::runtime::Arg;
 use super::{
@@ -141,20 +139,8 @@ impl GpuBackend {
             let args = [Arg::Ptr(at), Arg::I64(elems as i64), Arg::U64(seed), Arg::F32(scale)];
             return self.rt.launch("fill_random_bf16", [blocks(elems, BLOCK).min(65535 * 8), 1, 1], [BLOCK, 1, 1], 0, &args);
         }
-        // Widened on the host, in parallel, as upload_weight does.
-        let mut host = vec![bf16::ZERO; elems];
-        host.par_chunks_mut(cols.max(1)).enumerate().for_each_init(
-            || vec![0f32; cols],
-            |row_buf, (r, out)| {
-                w.dequant_row(r, row_buf);
-                for (o, v) in out.iter_mut().zip(row_buf.iter()) {
-                    *o = bf16::from_f32(*v);
-                }
-            },
-        );
-        // SAFETY: bf16 is a plain 2-byte value.
-        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), host.len() * 2) };
-        self.rt.upload(at, bytes)
+        // Widened on the host, as upload_weight does.
+        self.upload_widened(w, at)
     }
 
     /// `Backend::moe`.
