@@ -2,17 +2,13 @@
 //! goldens transformers computed for them: last-position logits within 1e-4 relative, and the same
 //! 16 greedy tokens.
 
-use std::path::PathBuf;
+mod common;
 
-use atlas::sampling::SamplingParams;
-use atlas::{Device, Engine, EngineOptions, GenerateRequest};
+use atlas::{Device, Engine, EngineOptions};
+use common::{fixture, greedy, relative_error};
 use serde_json::Value;
 
 const MODELS: [&str; 4] = ["qwen3_tied", "qwen3_untied_gqa", "llama", "qwen3_fp8"];
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)
-}
 
 fn golden(name: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
     let text = std::fs::read_to_string(fixture(name).join("golden.json")).unwrap();
@@ -25,17 +21,6 @@ fn golden(name: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
 fn load(name: &str, threads: usize) -> Engine {
     let opts = EngineOptions { device: Device::Cpu, threads, ..EngineOptions::new(fixture(name)) };
     Engine::load(&opts, &mut |_| {}).unwrap()
-}
-
-fn greedy(max_tokens: usize, prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true }
-}
-
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let max_diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    max_diff / max_ref
 }
 
 #[test]

@@ -4,17 +4,13 @@
 //! Last-position logits within 1e-4 relative and the same 16 greedy tokens, for a 12-token prompt
 //! and a 300-token one; the 300 tokens also one at a time (the recurrent state carries).
 
-use std::path::PathBuf;
+mod common;
 
-use atlas::sampling::SamplingParams;
-use atlas::{Device, Engine, EngineOptions, GenerateRequest};
+use atlas::{Device, Engine, EngineOptions};
+use common::{fixture, greedy, relative_error};
 use serde_json::Value;
 
 const MODELS: [&str; 5] = ["qwen3_moe_tiny", "qwen3_5_tiny", "qwen3_5_vl_tiny", "qwen3_5_moe_tiny", "qwen3_5_moe_tiny_per_expert"];
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)
-}
 
 struct Golden {
     tokens: Vec<u32>,
@@ -36,17 +32,6 @@ fn goldens(name: &str) -> (Golden, Golden) {
 fn load(name: &str) -> Engine {
     let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(512), ..EngineOptions::new(fixture(name)) };
     Engine::load(&opts, &mut |_| {}).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn greedy(max_tokens: usize, prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true }
-}
-
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let max_diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    max_diff / max_ref
 }
 
 #[test]
