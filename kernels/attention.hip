@@ -25,7 +25,7 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
 // value row is read once. The visible positions are cut into at most `splits` (gridDim.y) chunks
 // of a whole number of tiles and at least `min_chunk` positions, sized from `pos` on the device, so
 // that a recorded step spreads long contexts over the GPU and keeps short ones in one split (which
-// writes its result directly). A split's positions come in tiles of DEC_TILE_ELEMS / head_dim
+// writes its result directly). A split's positions come in tiles of DEC_TILE_ELEMS / D16
 // rows (a multiple of 16, at most DEC_MAX_TILE) through registers into shared memory, the next
 // tile's loads in flight while the current one is used. Per tile: scores S = Q·Kᵀ (warp w takes positions
 // 16w..16w+15), an online softmax per query head (running max and sum) that writes P as bf16,
@@ -34,8 +34,10 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
 // the last split of a kv head to finish (a ticket from `counters`, reset afterwards) merges them in
 // split order into out [heads * head_dim]. Splits past the visible positions exit at once, so a
 // recorded step may cover the whole cache.
-// Dynamic shared memory: (2 * tile + 16) * (head_dim + 8) + 16 * (tile + 8) bf16, and at least
-// G * splits floats (the merge's weights). Needs head_dim % 16 == 0, head_dim <= 256, G <= 16.
+// Any head_dim up to 256: the tiles take D16 = head_dim rounded up to 16 columns, those past
+// head_dim zero (loaded as zeros, never written out).
+// Dynamic shared memory: (2 * tile + 16) * (D16 + 8) + 16 * (tile + 8) bf16, and at least
+// G * splits floats (the merge's weights). Needs G <= 16.
 // Launch: grid (kv_heads, splits), block DEC_THREADS.
 #define DEC_THREADS 256
 #define DEC_MAX_TILE 64
@@ -54,8 +56,8 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     pdl_launch_dependents();
     if (pos_dev) pos = *pos_dev;
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    const int D = head_dim, G = heads / kv_heads, width = kv_heads * D, ld = D + 8;
-    const int tile = min(DEC_MAX_TILE, DEC_TILE_ELEMS / D / 16 * 16), ldp = tile + 8;
+    const int D = head_dim, D16 = (D + 15) / 16 * 16, G = heads / kv_heads, width = kv_heads * D, ld = D16 + 8;
+    const int tile = min(DEC_MAX_TILE, DEC_TILE_ELEMS / D16 / 16 * 16), ldp = tile + 8;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const int visible = pos + 1;
     const int chunk = (max(min_chunk, (visible + splits - 1) / splits) + tile - 1) / tile * tile;
@@ -67,9 +69,9 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
     bf16* qs = vs + tile * ld;  // [16][ld], the scale folded in
     bf16* ps = qs + 16 * ld;    // [16][ldp]
 
-    for (int i = tid; i < 16 * D; i += blockDim.x) {
-        const int r = i / D, d = i % D;
-        qs[r * ld + d] = r < G ? f32_to_bf16(q[((long)kvh * G + r) * D + d] * scale) : 0;
+    for (int i = tid; i < 16 * D16; i += blockDim.x) {
+        const int r = i / D16, d = i % D16;
+        qs[r * ld + d] = r < G && d < D ? f32_to_bf16(q[((long)kvh * G + r) * D + d] * scale) : 0;
     }
     for (int i = tid; i < 16 * ldp; i += blockDim.x) ps[i] = 0;
     if (tid < 16) {
@@ -77,7 +79,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
         run_l[tid] = 0.0f;
         corr[tid] = 1.0f;
     }
-    const int row_chunks = D / 8, tile_chunks = tile * row_chunks, col_tiles = D / 16;
+    const int row_chunks = D16 / 8, tile_chunks = tile * row_chunks, col_tiles = D16 / 16;
     float acc[DEC_MAX_NT][MMA_ACC];
 #pragma unroll
     for (int j = 0; j < DEC_MAX_NT; j++)
@@ -92,8 +94,8 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
             const int e = tid + i * DEC_THREADS, p = p0 + e / row_chunks, c = e % row_chunks;
             const bool ok = e < tile_chunks && p < end;
             const long at = (long)p * width + kvh * D;
-            kr[i] = ok ? ((const uint4*)(kc + at))[c] : make_uint4(0, 0, 0, 0);
-            vr[i] = ok ? ((const uint4*)(vc + at))[c] : make_uint4(0, 0, 0, 0);
+            kr[i] = ok ? load8_bf16(kc + at, c * 8, D, D % 8 == 0) : make_uint4(0, 0, 0, 0);
+            vr[i] = ok ? load8_bf16(vc + at, c * 8, D, D % 8 == 0) : make_uint4(0, 0, 0, 0);
         }
     };
     fetch(begin);
@@ -112,7 +114,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
         const int n = min(tile, end - p0);
         for (int nt = warp; nt < tile / 16; nt += warps) {
             float s[MMA_ACC] = {};
-            for (int k = 0; k < D; k += 16) {
+            for (int k = 0; k < D16; k += 16) {
                 mma_frag_t a, b;
                 mma_load_a(a, qs + k, ld);
                 mma_load_b(b, ks + nt * 16 * ld + k, ld);
@@ -167,7 +169,7 @@ ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* v
 #pragma unroll
             for (int i = 0; i < MMA_ACC; i++) {
                 const int g = mma_row(i), d = nt * 16 + mma_col(i);
-                if (g >= G) continue;
+                if (g >= G || d >= D) continue;
                 if (active == 1) out[(head0 + g) * D + d] = acc[j][i] / run_l[g];  // one split: no merge
                 else partial[((head0 + g) * splits + split) * (D + 2) + 2 + d] = acc[j][i];
             }

@@ -8,7 +8,7 @@
 //   kc, vc [capacity, kv_heads*head_dim] bf16, holding positions 0 .. start_pos+T-1
 //   out [T, heads*head_dim] f32, overwritten:
 //       out[t, h*head_dim + d] = sum_{p <= start_pos+t} softmax_p(scale * q_t·k_p) v_p[d]
-//   query head h reads kv head h / (heads / kv_heads); head_dim a multiple of 16, 16..256.
+//   query head h reads kv head h / (heads / kv_heads); any head_dim up to 256.
 //
 // Launch: grid (ceil(T / FA_BQ), heads, 1), block FA_THREADS, dynamic shared memory 0 (static
 // shared memory only, under 48 KB). One block = FA_BQ query rows of one query head. The block
@@ -31,7 +31,7 @@
 //   head_dim <= 128  64 rows, 32-position tiles
 //   head_dim <= 256  two passes of 32 rows, 32-position tiles, K and Vᵀ sharing one buffer
 // A head_dim below its configuration's size is zero-padded (Q and K columns, Vᵀ rows), so the
-// matrix-core loops carry no run-time bounds.
+// matrix-core loops carry no run-time bounds; padded output columns are not written.
 // Accumulators are only ever addressed through mma_row / mma_col, so every fragment layout of
 // common/mma.h works (and WARP_SIZE 64: a warp then takes twice the tiles).
 #include "common/portable.h"
@@ -107,8 +107,8 @@ __device__ __forceinline__ void fa_load_k(uint4* r, const bf16* base, int width,
     for (int i = 0; i < C::K_VECS; i++) {
         const int e = threadIdx.x + i * FA_THREADS, p = e / (HDP / 8), dc = e % (HDP / 8);
         const int pos = kb + p;
-        r[i] = (pos < kv_end && dc * 8 < head_dim) ? *(const uint4*)(base + (long)pos * width + dc * 8)
-                                                   : make_uint4(0, 0, 0, 0);
+        r[i] = pos < kv_end ? load8_bf16(base + (long)pos * width, dc * 8, head_dim, head_dim % 8 == 0)
+                            : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -118,8 +118,8 @@ __device__ __forceinline__ void fa_load_v(uint4* r, const bf16* base, int width,
 #pragma unroll
     for (int i = 0; i < C::V_POS; i++) {
         const int pos = kb + p0 + i;
-        r[i] = (pos < kv_end && dc * 8 < head_dim) ? *(const uint4*)(base + (long)pos * width + dc * 8)
-                                                   : make_uint4(0, 0, 0, 0);
+        r[i] = pos < kv_end ? load8_bf16(base + (long)pos * width, dc * 8, head_dim, head_dim % 8 == 0)
+                            : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -178,7 +178,15 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
     for (int e = tid; e < BQS * (HDP / 4); e += FA_THREADS) {
         const int r = e / (HDP / 4), d = (e % (HDP / 4)) * 4;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r < rows && d < head_dim) v = *(const float4*)(q + (long)(q0 + r) * qwidth + (long)h * head_dim + d);
+        const float* qrow = q + (long)(q0 + r) * qwidth + (long)h * head_dim;
+        if (r < rows && head_dim % 4 == 0 && d < head_dim) {
+            v = *(const float4*)(qrow + d);
+        } else if (r < rows) {
+            v.x = d < head_dim ? qrow[d] : 0.0f;
+            v.y = d + 1 < head_dim ? qrow[d + 1] : 0.0f;
+            v.z = d + 2 < head_dim ? qrow[d + 2] : 0.0f;
+            v.w = d + 3 < head_dim ? qrow[d + 3] : 0.0f;
+        }
         unsigned* dst = (unsigned*)(sQ + r * C::LDQ + d);
         dst[0] = (unsigned)f32_to_bf16(v.x) | ((unsigned)f32_to_bf16(v.y) << 16);
         dst[1] = (unsigned)f32_to_bf16(v.z) | ((unsigned)f32_to_bf16(v.w) << 16);
@@ -302,7 +310,7 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
 #pragma unroll
             for (int i = 0; i < MMA_ACC; i++) {
                 const int r = mt * 16 + mma_row(i), c = nt * 16 + mma_col(i);
-                if (r < rows) out[(long)(q0 + r) * qwidth + (long)h * head_dim + c] = o[j][i] / sL[r];
+                if (r < rows && c < head_dim) out[(long)(q0 + r) * qwidth + (long)h * head_dim + c] = o[j][i] / sL[r];
             }
         }
     }

@@ -9,9 +9,9 @@
 //           (t, s) order), the inputs gathered in that order (moe_gather), grouped GEMMs
 //           (gemm.hip's main loop over each expert's rows and weights): gate and up in one
 //           launch, silu_mul (elementwise.hip), down; then moe_combine.
-//   combine out[t] = Σ_s weights[t, s] · y[row(t, s)], s = 0..top_k in order (the experts by id,
-//           as the CPU reference adds them), one thread per output value: no atomics, the same
-//           sum every run.
+//   combine out[t] += Σ_s weights[t, s] · y[row(t, s)], s = 0..top_k in order (the experts by
+//           id, as the CPU reference adds them), into the residual stream; one thread per output
+//           value: no atomics, the same sum every run.
 //
 // Expert weights are stacked per projection: gate and up [E, I, H], down [E, H, I], bf16, or E4M3
 // codes with f32 scales [E, ceil(rows/128), ceil(cols/128)] (common/fp8.h).
@@ -350,7 +350,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
     moe_gemm_body<true>(second ? W1 : W0, second ? S1 : S0, x, offsets, tiles, E, second ? y1 : y0, N, K);
 }
 
-// out[t, c] = Σ_s weights[t, s] · y[row, c], row = slot_row[t * top_k + s] (or t * top_k + s
+// out[t, c] += Σ_s weights[t, s] · y[row, c] (the sum first, then the add), row = slot_row[t * top_k + s] (or t * top_k + s
 // when slot_row is null: the decode kernels' [top_k, H]), s = 0..top_k in order. Launch: grid
 // (ceil(H / 256), T), block 256.
 ATLAS_KERNEL void moe_combine(const float* y, const int* slot_row, const float* weights, int top_k, int H, float* out) {
@@ -363,5 +363,5 @@ ATLAS_KERNEL void moe_combine(const float* y, const int* slot_row, const float* 
         const long row = slot_row ? slot_row[i] : i;
         acc += weights[i] * y[row * H + c];
     }
-    out[t * H + c] = acc;
+    out[t * H + c] += acc;
 }

@@ -256,9 +256,11 @@ fn attention_prefill_then_decode() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let mut rng = Rng::new(3);
-    // Group sizes 1 to 16, head sizes 16 to 256 (flash-attention prefill, grouped decode), and a
-    // group of 32 whose decode rows take the flash-attention kernel.
-    for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32), (16, 1, 128), (8, 1, 256), (4, 2, 16), (6, 3, 80), (4, 1, 144), (32, 1, 64)] {
+    // Group sizes 1 to 16, head sizes 16 to 256 (flash-attention prefill, grouped decode), a
+    // group of 32 whose decode rows take the flash-attention kernel, and heads the kernels pad:
+    // not a multiple of 16 (24, 40, 200), of 8 (20: no 16-byte loads) or of 4 (18: nor float4).
+    let padded = [(4, 2, 24), (6, 3, 40), (8, 2, 200), (4, 1, 20), (2, 1, 18)];
+    for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32), (16, 1, 128), (8, 1, 256), (4, 2, 16), (6, 3, 80), (4, 1, 144), (32, 1, 64)].into_iter().chain(padded) {
         let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
         let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
         let mut pos = 0;
@@ -275,7 +277,7 @@ fn attention_prefill_then_decode() {
         }
     }
     // The fused q/k norm + rope + append before attention, against the CPU's separate steps.
-    for (heads, kv_heads, d, with_norm) in [(32, 8, 128, true), (4, 1, 16, false)] {
+    for (heads, kv_heads, d, with_norm) in [(32, 8, 128, true), (4, 1, 16, false), (6, 2, 24, true), (4, 2, 18, true)] {
         let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
         let inv_freq = (0..d / 2).map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / d as f32)).collect();
         let rope = Rope { head_dim: d, inv_freq };
@@ -698,21 +700,27 @@ fn upload_experts_to<B: Backend>(b: &B, experts: Vec<HostMlp>) -> B::Experts {
     b.upload_experts(count, &mut |_| Ok(it.next().unwrap())).unwrap()
 }
 
-/// One MoE call on both backends: the GPU's output against the CPU's, twice (the same bits both
-/// times: no atomics decide an order).
+/// One MoE call on both backends, added to a random residual: the GPU's sum against the CPU's,
+/// twice (the same bits both times: no atomics decide an order).
 #[allow(clippy::too_many_arguments)]
 fn moe_case(g: &GpuBackend, c: &CpuBackend, experts: (&Vec<GatedMlp<CpuBackend>>, &atlas::backend::gpu::GpuExperts), hidden: usize, inter: usize, logits: Vec<f32>, xn: Vec<f32>, routing: Routing, tol: f32, what: &str) {
     let (e, k) = (experts.0.len(), routing.top_k);
     let t = xn.len() / hidden;
     let xn = pair(g, t, hidden, xn);
     let logits = pair(g, t, e, logits);
-    let want = c.moe(&xn.cpu, &logits.cpu, experts.0, routing).unwrap();
-    moe_poison(g, &[t * hidden, k * inter, k * hidden, t * k * hidden, t * k * inter]);
-    let got = g.moe(&xn.gpu, &logits.gpu, experts.1, routing).unwrap();
+    let residual = (0..t * hidden).map(|i| ((i * 7919) % 13) as f32 * 0.02 - 0.12).collect::<Vec<_>>();
+    let mut want = CpuTensor::new(t, hidden, residual.clone());
+    c.moe_add(&xn.cpu, &logits.cpu, experts.0, routing, &mut want).unwrap();
+    let run = || {
+        moe_poison(g, &[t * hidden, k * inter, k * hidden, t * k * hidden, t * k * inter]);
+        let mut got = g.upload_f32(t, hidden, &residual).unwrap();
+        g.moe_add(&xn.gpu, &logits.gpu, experts.1, routing, &mut got).unwrap();
+        got
+    };
+    let got = run();
     check(g, &got, &want, tol, what);
-    let again = g.moe(&xn.gpu, &logits.gpu, experts.1, routing).unwrap();
     let bits = |x: &GpuTensor| g.to_host(x).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert!(bits(&got) == bits(&again), "{what}: two runs differ");
+    assert!(bits(&got) == bits(&run()), "{what}: two runs differ");
 }
 
 fn moe_tolerance(t: usize, fp8: bool) -> f32 {

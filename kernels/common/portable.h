@@ -54,6 +54,21 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+// Eight bf16 values row[c .. c+8) as one 16-byte piece, those at or past `n` read as zero: how the
+// attention kernels pad a head whose size is not a multiple of their tiles. With `whole` (row
+// 16-byte aligned and n a multiple of 8: every head size but odd ones) a piece is one load.
+__device__ __forceinline__ uint4 load8_bf16(const bf16* row, int c, int n, bool whole) {
+    if (whole) return c < n ? *(const uint4*)(row + c) : make_uint4(0, 0, 0, 0);
+    unsigned int w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const unsigned int lo = c + 2 * j < n ? row[c + 2 * j] : 0u;
+        const unsigned int hi = c + 2 * j + 1 < n ? row[c + 2 * j + 1] : 0u;
+        w[j] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Two floats to packed bf16 (lo in the low half), rounded to nearest even like f32_to_bf16: one
 // instruction on NVIDIA sm_80+, the bit operations elsewhere.
 __device__ __forceinline__ unsigned int bf16x2_pack(float lo, float hi) {

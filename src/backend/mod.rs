@@ -285,10 +285,17 @@ pub trait Backend: Send + Sync {
         Err(crate::Error::Unsupported(format!("sigmoid gates on {}", self.describe())))
     }
 
-    /// A mixture of experts on normalised input `xn [T, H]` with router logits `[T, E]`: each
-    /// token's chosen experts' outputs, weighted by their routing probabilities, summed in
-    /// expert order. `[T, H]`.
-    fn moe(&self, _xn: &Self::Tensor, _router_logits: &Self::Tensor, _experts: &Self::Experts, _routing: Routing) -> Result<Self::Tensor> {
+    /// A mixture of experts on normalised input `xn [T, H]` with router logits `[T, E]`, added to
+    /// `residual [T, H]`: each token's chosen experts' outputs, weighted by their routing
+    /// probabilities, summed in expert order, then added (one launch fewer than a separate add).
+    fn moe_add(
+        &self,
+        _xn: &Self::Tensor,
+        _router_logits: &Self::Tensor,
+        _experts: &Self::Experts,
+        _routing: Routing,
+        _residual: &mut Self::Tensor,
+    ) -> Result<()> {
         Err(crate::Error::Unsupported(format!("mixture-of-experts layers on {}", self.describe())))
     }
 

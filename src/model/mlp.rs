@@ -12,7 +12,7 @@
 
 use super::config::{MoeConfig, ModelConfig};
 use super::loader::{Linear, Loader};
-use crate::backend::{Backend, GatedMlp, HostMlp, Routing};
+use crate::backend::{Backend, GatedMlp, HostMlp, Proj, Routing};
 use crate::Result;
 
 /// `down(silu(gate(x)) * up(x))`, with biases where the checkpoint has them (Llama's mlp_bias).
@@ -48,10 +48,7 @@ impl<B: Backend> FeedForward<B> {
                 let h = b.norm_silu_gate_up(x, norm, eps, m.gate_proj.proj(), m.up_proj.proj())?; // [T, ffn]
                 b.linear_add(&h, &m.down_proj.weight, m.down_proj.bias.as_ref(), x) // x += down_proj(h)
             }
-            FeedForward::Sparse(moe) => {
-                let y = moe.forward(b, x, norm, eps)?; // [T, H]
-                b.add_assign(x, &y)
-            }
+            FeedForward::Sparse(moe) => moe.forward_add(b, x, norm, eps),
         }
     }
 }
@@ -108,19 +105,22 @@ impl<B: Backend> SparseMoe<B> {
         Ok(SparseMoe { gate, experts, shared_expert, routing })
     }
 
-    /// The MLP's output for the residual stream, from the un-normalised `x [T, H]`.
-    pub fn forward(&self, b: &B, x: &B::Tensor, norm: &B::Tensor, eps: f32) -> Result<B::Tensor> {
+    /// `x += moe(rms_norm(x))`. The shared expert's gate scales its hidden activations before
+    /// `down` (a linear map: the same as scaling its output), so that `down` adds into `x`; the
+    /// norm is fused into the small projections, as everywhere.
+    pub fn forward_add(&self, b: &B, x: &mut B::Tensor, norm: &B::Tensor, eps: f32) -> Result<()> {
         let xn = b.rms_norm(x, norm, eps)?; // [T, H]
-        let logits = b.linear(&xn, &self.gate, None)?; // [T, E]
-        let mut y = b.moe(&xn, &logits, &self.experts, self.routing)?; // [T, H]
-        if let Some(shared) = &self.shared_expert {
-            let mlp = &shared.mlp;
-            let h = b.silu_mul(&b.linear(&xn, &mlp.gate, None)?, &b.linear(&xn, &mlp.up, None)?)?;
-            let mut s = b.linear(&h, &mlp.down, None)?; // [T, H]
-            b.sigmoid_gate(&mut s, &b.linear(&xn, &shared.gate, None)?)?; // s *= sigmoid([T, 1])
-            b.add_assign(&mut y, &s)?;
-        }
-        Ok(y)
+        let proj = |w| Proj { weight: w, bias: None };
+        let Some(shared) = &self.shared_expert else {
+            let logits = b.linear(&xn, &self.gate, None)?; // [T, E]
+            return b.moe_add(&xn, &logits, &self.experts, self.routing, x);
+        };
+        let [logits, shared_gate] = b.norm_linears(x, norm, eps, [proj(&self.gate), proj(&shared.gate)])?; // [T, E], [T, 1]
+        let mlp = &shared.mlp;
+        let mut h = b.norm_silu_gate_up(x, norm, eps, proj(&mlp.gate), proj(&mlp.up))?; // [T, I_shared]
+        b.sigmoid_gate(&mut h, &shared_gate)?; // h *= sigmoid([T, 1])
+        b.moe_add(&xn, &logits, &self.experts, self.routing, x)?; // x += Σ routed experts
+        b.linear_add(&h, &mlp.down, None, x) // x += down(h)
     }
 }
 

@@ -421,8 +421,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn moe(&self, xn: &CpuTensor, router_logits: &CpuTensor, experts: &Self::Experts, routing: Routing) -> Result<CpuTensor> {
+    fn moe_add(&self, xn: &CpuTensor, router_logits: &CpuTensor, experts: &Self::Experts, routing: Routing, residual: &mut CpuTensor) -> Result<()> {
         let (t, h, e) = (xn.rows, xn.cols, experts.len());
+        if (residual.rows, residual.cols) != (t, h) {
+            return Err(Error::InvalidArgument(format!("moe: residual [{}, {}] for {t} tokens of {h}", residual.rows, residual.cols)));
+        }
         if router_logits.rows != t || router_logits.cols != e || routing.top_k == 0 || routing.top_k > e {
             return Err(Error::InvalidArgument(format!(
                 "moe: {t} tokens, router logits [{}, {}], {e} experts, top {}",
@@ -451,7 +454,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        Ok(CpuTensor::new(t, h, out))
+        self.add_assign(residual, &CpuTensor::new(t, h, out))
     }
 
     fn last_row(&self, x: &CpuTensor) -> Result<CpuTensor> {

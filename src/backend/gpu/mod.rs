@@ -174,6 +174,8 @@ const FP8_GEMV_STATIC_SHARED: u32 = 1_300;
 const ATTENTION_CHUNK: usize = 256;
 const ATTENTION_MAX_SPLITS: usize = 128;
 const MAX_KV_HEADS: usize = 1024;
+/// The attention kernels' largest head (their tiles pad smaller ones); rotary pairs need it even.
+const MAX_HEAD_DIM: usize = 256;
 const ARGMAX_BLOCKS: u32 = 128;
 const TOPK_BLOCKS: u32 = 128;
 /// TOPK_MAX of kernels/sampling.hip.
@@ -361,15 +363,17 @@ impl GpuBackend {
         let out = self.tensor(t, num_heads * d)?;
         let scale = 1.0 / (d as f32).sqrt();
         let group = num_heads / num_kv_heads;
-        if t == 1 && d % 16 == 0 && d <= 256 && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
+        if t == 1 && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
             // A recording must fit every later position: it covers the whole cache (the kernel
             // sizes the splits from the position).
             let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + 1 };
             let splits = longest.div_ceil(ATTENTION_CHUNK).min(ATTENTION_MAX_SPLITS);
             let partial = self.scratch(byte_size("attention partial results", &[num_heads, splits, d + 2, 4])?)?;
-            // The kernel's tiles, query and probabilities (bf16), or the merge's weights.
-            let tile = DEC_MAX_TILE.min(DEC_TILE_ELEMS / d / 16 * 16);
-            let shared = (((2 * tile + 16) * (d + 8) + 16 * (tile + 8)) * 2).max(group * splits * 4);
+            // The kernel's tiles, query and probabilities (bf16, the head padded to 16 columns),
+            // or the merge's weights.
+            let d16 = d.next_multiple_of(16);
+            let tile = DEC_MAX_TILE.min(DEC_TILE_ELEMS / d16 / 16 * 16);
+            let shared = (((2 * tile + 16) * (d16 + 8) + 16 * (tile + 8)) * 2).max(group * splits * 4);
             let args = [
                 Arg::Ptr(q.buf.ptr),
                 Arg::Ptr(cache.keys.ptr),
@@ -416,8 +420,8 @@ impl GpuBackend {
         {
             return Err(Error::InvalidArgument("attention: q/k/v widths disagree with the shape".into()));
         }
-        if d % 16 != 0 || d > 256 {
-            return Err(Error::Unsupported(format!("head_dim {d} on the GPU (a multiple of 16, at most 256)")));
+        if d > MAX_HEAD_DIM || d % 2 != 0 {
+            return Err(Error::Unsupported(format!("head_dim {d} on the GPU (even, at most {MAX_HEAD_DIM})")));
         }
         let end = start_pos
             .checked_add(q.rows)
@@ -620,8 +624,8 @@ impl Backend for GpuBackend {
 
     fn supports(&self, cap: Capability) -> bool {
         match cap {
-            // The attention kernels tile heads by 16 values.
-            Capability::HeadDim(d) => d % 16 == 0 && d <= 256,
+            // The attention kernels pad heads to their tiles.
+            Capability::HeadDim(d) => d <= MAX_HEAD_DIM && d % 2 == 0,
             Capability::GatedDeltaNet | Capability::SigmoidGate | Capability::PartialRotary => true,
             Capability::MixtureOfExperts => true,
         }
@@ -932,8 +936,8 @@ impl Backend for GpuBackend {
     }
 
     // Launches in moe.rs.
-    fn moe(&self, xn: &GpuTensor, router_logits: &GpuTensor, experts: &GpuExperts, routing: super::Routing) -> Result<GpuTensor> {
-        self.moe_forward(xn, router_logits, experts, routing)
+    fn moe_add(&self, xn: &GpuTensor, router_logits: &GpuTensor, experts: &GpuExperts, routing: super::Routing, residual: &mut GpuTensor) -> Result<()> {
+        self.moe_forward(xn, router_logits, experts, routing, residual)
     }
 
     // The Qwen3.5 hybrid ops: launches in delta_net.rs.

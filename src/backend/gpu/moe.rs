@@ -5,7 +5,8 @@
 //!
 //! - Decode (one token): `moe_route`, then the chosen experts' gate/up GEMV (grid: row tiles x
 //!   top_k, SiLU·up fused), their down GEMV (row tiles x top_k) and `moe_combine`, which weighs and
-//!   adds the top_k outputs in expert order. Only the chosen experts' weights are read.
+//!   sums the top_k outputs in expert order and adds them to the residual stream. Only the chosen
+//!   experts' weights are read.
 //! - Prefill: `moe_route`, the assignments grouped by expert (`moe_count`, `moe_index`), the inputs
 //!   gathered in that order, grouped GEMMs for gate and up (one launch), `silu_mul`, a grouped GEMM
 //!   for down, and `moe_combine`; `MOE_CHUNK_TOKENS` tokens at a time.
@@ -143,30 +144,29 @@ impl GpuBackend {
         self.upload_widened(w, at)
     }
 
-    /// `Backend::moe`.
-    pub(super) fn moe_forward(&self, xn: &GpuTensor, logits: &GpuTensor, ex: &GpuExperts, routing: Routing) -> Result<GpuTensor> {
+    /// `Backend::moe_add`.
+    pub(super) fn moe_forward(&self, xn: &GpuTensor, logits: &GpuTensor, ex: &GpuExperts, routing: Routing, residual: &mut GpuTensor) -> Result<()> {
         let (t, h, e, k) = (xn.rows, ex.hidden, ex.count, routing.top_k);
-        if xn.cols != h || logits.rows != t || logits.cols != e || k == 0 || k > e {
+        if xn.cols != h || logits.rows != t || logits.cols != e || k == 0 || k > e || (residual.rows, residual.cols) != (t, h) {
             return Err(Error::InvalidArgument(format!(
-                "moe: {t} tokens of {}, router logits [{}, {}], {e} experts of width {h}, top {k}",
-                xn.cols, logits.rows, logits.cols
+                "moe: {t} tokens of {}, router logits [{}, {}], {e} experts of width {h}, top {k}, residual [{}, {}]",
+                xn.cols, logits.rows, logits.cols, residual.rows, residual.cols
             )));
         }
         if k > MOE_MAX_K {
             return Err(Error::Unsupported(format!("{k} experts per token on the GPU (at most {MOE_MAX_K})")));
         }
-        let out = self.tensor(t, h)?;
+        let out = residual.buf.ptr;
         if t == 1 && self.moe_gemv_fits(ex) {
-            self.moe_decode(xn.buf.ptr, logits.buf.ptr, ex, routing, out.buf.ptr)?;
-            return Ok(out);
+            return self.moe_decode(xn.buf.ptr, logits.buf.ptr, ex, routing, out);
         }
         for first in (0..t).step_by(MOE_CHUNK_TOKENS) {
             let tokens = MOE_CHUNK_TOKENS.min(t - first);
             let (x_at, logits_at, out_at) =
                 ((first * h * 4) as u64, (first * e * 4) as u64, (first * h * 4) as u64);
-            self.moe_grouped(xn.buf.ptr + x_at, logits.buf.ptr + logits_at, tokens, ex, routing, out.buf.ptr + out_at)?;
+            self.moe_grouped(xn.buf.ptr + x_at, logits.buf.ptr + logits_at, tokens, ex, routing, out + out_at)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Whether the one-token expert GEMVs take these experts: whole 16-byte chunks per row, and
@@ -194,7 +194,7 @@ impl GpuBackend {
         self.rt.launch("moe_route", [tokens as u32, 1, 1], [self.rt.warp_size(), 1, 1], 0, &args)
     }
 
-    /// One token: route, the chosen experts' GEMVs, the weighted sum into `out` `[1, H]`.
+    /// One token: route, the chosen experts' GEMVs, the weighted sum added to `out` `[1, H]`.
     fn moe_decode(&self, x: u64, logits: u64, ex: &GpuExperts, routing: Routing, out: u64) -> Result<()> {
         let (h, i, k) = (ex.hidden, ex.inter, routing.top_k);
         let ids = self.scratch(k * 4)?;
@@ -239,7 +239,7 @@ impl GpuBackend {
     }
 
     /// `tokens` tokens: route, group the assignments by expert, grouped GEMMs, the weighted sum
-    /// into `out` `[tokens, H]`.
+    /// added to `out` `[tokens, H]`.
     fn moe_grouped(&self, x: u64, logits: u64, tokens: usize, ex: &GpuExperts, routing: Routing, out: u64) -> Result<()> {
         let (h, i, e, k) = (ex.hidden, ex.inter, ex.count, routing.top_k);
         let n = tokens * k;
