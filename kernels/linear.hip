@@ -124,24 +124,34 @@ __device__ __forceinline__ void gemv_rows_dot(const Bf16Row* rows, bool active, 
     for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]) * scale;
 }
 
-// Up to three projections of the same input in one launch (q, k and v): rows [0, n0) go to y0,
-// the next n1 to y1, the next n2 to y2. `residual` (may be y0) is added to segment 0. K % 8 == 0.
-// The scale arguments are unused (same signature as gemv1_fp8).
-ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const float* s0, const float* s1,
-                             const float* s2, const float* b0, const float* b1, const float* b2, float* y0, float* y1,
-                             float* y2, int n0, int n1, int n2, const float* x, const float* norm_w, float eps,
+// Which of up to four consecutive segments of n0, n1, n2, n3 rows row g lies in, and its row there.
+__device__ __forceinline__ void gemv1_segment(int g, int n0, int n1, int n2, int& seg, int& n) {
+    seg = g >= n0 + n1 + n2 ? 3 : g >= n0 + n1 ? 2 : g >= n0 ? 1 : 0;
+    n = g - (seg == 3 ? n0 + n1 + n2 : seg == 2 ? n0 + n1 : seg == 1 ? n0 : 0);
+}
+
+template <typename T>
+__device__ __forceinline__ T gemv1_pick(int seg, T a, T b, T c, T d) {
+    return seg == 3 ? d : seg == 2 ? c : seg == 1 ? b : a;
+}
+
+// Up to four projections of the same input in one launch (q, gate, k and v; a DeltaNet layer's
+// four inputs): rows [0, n0) go to y0, the next n1 to y1, and so on. `residual` (may be y0) is
+// added to segment 0. K % 8 == 0. The scale arguments are unused (same signature as gemv1_fp8).
+ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                             const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                             const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0,
+                             int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
                              const float* residual, int K) {
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
-    const int total = n0 + n1 + n2;
+    const int total = n0 + n1 + n2 + n3;
     Bf16Row rows[GEMV_ROWS];
     int seg[GEMV_ROWS], n[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         // Rows past the end read row 0 and are not written.
-        const int g = first + r < total ? first + r : 0;
-        seg[r] = g >= n0 + n1 ? 2 : g >= n0 ? 1 : 0;
-        n[r] = g - (seg[r] == 2 ? n0 + n1 : seg[r] == 1 ? n0 : 0);
-        rows[r] = bf16_row(seg[r] == 2 ? w2 : seg[r] == 1 ? w1 : w0, n[r], K);
+        gemv1_segment(first + r < total ? first + r : 0, n0, n1, n2, seg[r], n[r]);
+        rows[r] = bf16_row(gemv1_pick(seg[r], w0, w1, w2, w3), n[r], K);
     }
     float acc[GEMV_ROWS] = {};
     gemv_rows_dot<GEMV_ROWS>(rows, first < total, x, norm_w, eps, K, acc);
@@ -149,8 +159,8 @@ ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, con
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         if (first + r < total) {
-            const float* bias = seg[r] == 2 ? b2 : seg[r] == 1 ? b1 : b0;
-            float* y = seg[r] == 2 ? y2 : seg[r] == 1 ? y1 : y0;
+            const float* bias = gemv1_pick(seg[r], b0, b1, b2, b3);
+            float* y = gemv1_pick(seg[r], y0, y1, y2, y3);
             const float* res = seg[r] == 0 ? residual : nullptr;
             y[n[r]] = acc[r] + (bias ? bias[n[r]] : 0.0f) + (res ? res[n[r]] : 0.0f);
         }
@@ -319,33 +329,32 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     }
 }
 
-// As gemv1_bf16 (up to three projections of one input, the residual added to the first), over FP8
-// weights with scale grids s0..s2.
+// As gemv1_bf16 (up to four projections of one input, the residual added to the first), over FP8
+// weights with scale grids s0..s3.
 ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
-                            const float* s0, const float* s1, const float* s2, const float* b0, const float* b1,
-                            const float* b2, float* y0, float* y1, float* y2, int n0, int n1, int n2, const float* x,
+                            const unsigned char* w3, const float* s0, const float* s1, const float* s2,
+                            const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
+                            float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
                             const float* norm_w, float eps, const float* residual, int K) {
-    const int total = n0 + n1 + n2, lane = threadIdx.x % 32;
+    const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
     // Row r of the block's tile lies in segment seg at row n of it (rows past the end read row 0).
     auto locate = [&](int r, int& seg, int& n) {
-        const int row = blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0;
-        seg = row >= n0 + n1 ? 2 : row >= n0 ? 1 : 0;
-        n = row - (seg == 2 ? n0 + n1 : seg == 1 ? n0 : 0);
+        gemv1_segment(blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0, n0, n1, n2, seg, n);
     };
     Fp8Rows tile[1];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int seg, n;
         locate(lane / 4 + 8 * h, seg, n);
-        tile[0].set(h, seg == 2 ? w2 : seg == 1 ? w1 : w0, seg == 2 ? s2 : seg == 1 ? s1 : s0, n, K);
+        tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
     float out[1];
     fp8_rows_dot<1>(tile, x, norm_w, eps, K, out);
     if (threadIdx.x >= 16 || blockIdx.x * 16 + threadIdx.x >= total) return;
     int seg, n;
     locate(threadIdx.x, seg, n);
-    const float* bias = seg == 2 ? b2 : seg == 1 ? b1 : b0;
-    float* y = seg == 2 ? y2 : seg == 1 ? y1 : y0;
+    const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
+    float* y = gemv1_pick(seg, y0, y1, y2, y3);
     y[n] = out[0] + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[n] : 0.0f);
 }
 

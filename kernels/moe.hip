@@ -5,13 +5,19 @@
 //   decode  (one token) moe_gate_up_* and moe_down_* are the GEMVs of linear.hip over the
 //           experts the routing chose: blockIdx.y is the slot s (0..top_k), its expert ids[s]
 //           read on the device, so only the chosen experts' bytes are read; then moe_combine.
+//           A shared expert of the same width (Qwen3.5-MoE) is one more slot, s = top_k, with
+//           its own weights; gate/up normalise their input themselves (RMSNorm fused, as in
+//           linear.hip). The whole block is then route, gate/up, down, combine: four launches
+//           (routing inside every gate/up block, a warp each, measured slower on an H200: the
+//           weights cannot stream before it ends).
 //   prefill the assignments (token t, slot s) grouped by expert (moe_count, moe_index: stable, in
 //           (t, s) order), the inputs gathered in that order (moe_gather), grouped GEMMs
 //           (gemm.hip's main loop over each expert's rows and weights): gate and up in one
 //           launch, silu_mul (elementwise.hip), down; then moe_combine.
 //   combine out[t] += Σ_s weights[t, s] · y[row(t, s)], s = 0..top_k in order (the experts by
-//           id, as the CPU reference adds them), into the residual stream; one thread per output
-//           value: no atomics, the same sum every run.
+//           id, as the CPU reference adds them), plus sigmoid(shared gate) · the shared expert's
+//           output when there is one, into the residual stream; one thread per output value: no
+//           atomics, the same sum every run.
 //
 // Expert weights are stacked per projection: gate and up [E, I, H], down [E, H, I], bf16, or E4M3
 // codes with f32 scales [E, ceil(rows/128), ceil(cols/128)] (common/fp8.h).
@@ -92,17 +98,22 @@ ATLAS_KERNEL void moe_route(const float* logits, int E, int top_k, int normalize
 
 // ---- Decode: one token, its top_k experts -------------------------------------------------------
 
-// act[s, n] = silu(x · G_e[n]) * (x · U_e[n]) for slot s = blockIdx.y, e = ids[s], n < I; x [H].
-// As gemv1_gate_up_bf16. Launch: grid (ceil(I / (GEMV_ROWS * warps)), top_k), block GEMV_THREADS,
-// no dynamic shared memory. H % 8 == 0. The experts are the previous kernel's output: nothing is
-// read before pdl_wait.
+// act[s, n] = silu(x · G_e[n]) * (x · U_e[n]) for slot s = blockIdx.y, e = ids[s], n < I; x [H],
+// RMS-normalised with norm_w first when norm_w is given. Slot top_k (a grid of top_k + 1 rows)
+// is the shared expert: shared_g, shared_u. As gemv1_gate_up_bf16. Launch: grid (ceil(I /
+// (GEMV_ROWS * warps)), top_k (+ 1)), block GEMV_THREADS, dynamic shared memory H floats when
+// norm_w is given. H % 8 == 0. The experts are the previous kernel's output: nothing is read
+// before pdl_wait.
 ATLAS_KERNEL void moe_gate_up_bf16(const bf16* gate, const bf16* up, const float* sg, const float* su, const int* ids,
-                                   const float* x, float* act, int I, int H) {
+                                   const float* x, const float* norm_w, float eps, const bf16* shared_g,
+                                   const bf16* shared_u, const float* shared_sg, const float* shared_su, float* act,
+                                   int I, int H, int top_k) {
     pdl_wait();
     const int s = blockIdx.y;
-    const long e = ids[s];
-    const bf16* g = gate + e * I * H;
-    const bf16* u = up + e * I * H;
+    const bool shared = s == top_k;
+    const long e = shared ? 0 : ids[s];
+    const bf16* g = shared ? shared_g : gate + e * I * H;
+    const bf16* u = shared ? shared_u : up + e * I * H;
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
     Bf16Row rows[2 * GEMV_ROWS];
 #pragma unroll
@@ -112,7 +123,7 @@ ATLAS_KERNEL void moe_gate_up_bf16(const bf16* gate, const bf16* up, const float
         rows[2 * r + 1] = bf16_row(u, n, H);
     }
     float acc[2 * GEMV_ROWS] = {};
-    gemv_rows_dot<2 * GEMV_ROWS>(rows, first < I, x, nullptr, 0.0f, H, acc);
+    gemv_rows_dot<2 * GEMV_ROWS>(rows, first < I, x, norm_w, eps, H, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
@@ -125,12 +136,13 @@ ATLAS_KERNEL void moe_gate_up_bf16(const bf16* gate, const bf16* up, const float
 }
 
 // y[s, n] = act[s] · D_e[n] for slot s = blockIdx.y, e = ids[s], n < H (unweighted: moe_combine
-// weighs). Launch: grid (ceil(H / (GEMV_ROWS * warps)), top_k), block GEMV_THREADS. I % 8 == 0.
-ATLAS_KERNEL void moe_down_bf16(const bf16* down, const float* sd, const int* ids, const float* act, float* y, int H,
-                                int I) {
+// weighs); slot top_k, when launched, is the shared expert (shared_d). Launch: grid (ceil(H /
+// (GEMV_ROWS * warps)), top_k (+ 1)), block GEMV_THREADS. I % 8 == 0.
+ATLAS_KERNEL void moe_down_bf16(const bf16* down, const float* sd, const int* ids, const float* act,
+                                const bf16* shared_d, const float* shared_sd, float* y, int H, int I, int top_k) {
     pdl_wait();
     const int s = blockIdx.y;
-    const bf16* d = down + (long)ids[s] * H * I;
+    const bf16* d = s == top_k ? shared_d : down + (long)ids[s] * H * I;
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
     Bf16Row rows[GEMV_ROWS];
 #pragma unroll
@@ -144,44 +156,52 @@ ATLAS_KERNEL void moe_down_bf16(const bf16* down, const float* sd, const int* id
 }
 
 // The same over FP8 weights, as gemv1_gate_up_fp8 / gemv1_fp8: 16 rows per block. Launch: grid
-// (ceil(rows / 16), top_k), block FP8_UNITS * 32, dynamic shared memory ceil(K / 128) * 256
+// (ceil(rows / 16), top_k (+ 1)), block FP8_UNITS * 32, dynamic shared memory ceil(K / 128) * 256
 // bytes (K = H for gate/up, I for down). K % 16 == 0.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     moe_gate_up_fp8(const unsigned char* gate, const unsigned char* up, const float* sg, const float* su,
-                    const int* ids, const float* x, float* act, int I, int H) {
+                    const int* ids, const float* x, const float* norm_w, float eps, const unsigned char* shared_g,
+                    const unsigned char* shared_u, const float* shared_sg, const float* shared_su, float* act, int I,
+                    int H, int top_k) {
     pdl_wait();
     const int s = blockIdx.y, lane = threadIdx.x % 32;
-    const long e = ids[s];
+    const bool shared = s == top_k;
+    const long e = shared ? 0 : ids[s];
     const long grid = (long)((I + FP8_BLOCK - 1) / FP8_BLOCK) * ((H + FP8_BLOCK - 1) / FP8_BLOCK);
-    const unsigned char* g = gate + e * I * H;
-    const unsigned char* u = up + e * I * H;
+    const unsigned char* g = shared ? shared_g : gate + e * I * H;
+    const unsigned char* u = shared ? shared_u : up + e * I * H;
+    const float* gs = shared ? shared_sg : sg + e * grid;
+    const float* us = shared ? shared_su : su + e * grid;
     Fp8Rows tiles[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int row = blockIdx.x * 16 + lane / 4 + 8 * h;
         const int n = row < I ? row : 0;
-        tiles[0].set(h, g, sg + e * grid, n, H);
-        tiles[1].set(h, u, su + e * grid, n, H);
+        tiles[0].set(h, g, gs, n, H);
+        tiles[1].set(h, u, us, n, H);
     }
     float gu[2];
-    fp8_rows_dot<2>(tiles, x, nullptr, 0.0f, H, gu);
+    fp8_rows_dot<2>(tiles, x, norm_w, eps, H, gu);
     const int n = blockIdx.x * 16 + threadIdx.x;
     if (threadIdx.x >= 16 || n >= I) return;
     act[(long)s * I + n] = gu[0] / (1.0f + expf(-gu[0])) * gu[1];
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
-    moe_down_fp8(const unsigned char* down, const float* sd, const int* ids, const float* act, float* y, int H, int I) {
+    moe_down_fp8(const unsigned char* down, const float* sd, const int* ids, const float* act,
+                 const unsigned char* shared_d, const float* shared_sd, float* y, int H, int I, int top_k) {
     pdl_wait();
     const int s = blockIdx.y, lane = threadIdx.x % 32;
-    const long e = ids[s];
+    const bool shared = s == top_k;
+    const long e = shared ? 0 : ids[s];
     const long grid = (long)((H + FP8_BLOCK - 1) / FP8_BLOCK) * ((I + FP8_BLOCK - 1) / FP8_BLOCK);
-    const unsigned char* d = down + e * H * I;
+    const unsigned char* d = shared ? shared_d : down + e * H * I;
+    const float* ds = shared ? shared_sd : sd + e * grid;
     Fp8Rows tile[1];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int row = blockIdx.x * 16 + lane / 4 + 8 * h;
-        tile[0].set(h, d, sd + e * grid, row < H ? row : 0, I);
+        tile[0].set(h, d, ds, row < H ? row : 0, I);
     }
     float out[1];
     fp8_rows_dot<1>(tile, act + (long)s * I, nullptr, 0.0f, I, out);
@@ -351,9 +371,11 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
 }
 
 // out[t, c] += Σ_s weights[t, s] · y[row, c] (the sum first, then the add), row = slot_row[t * top_k + s] (or t * top_k + s
-// when slot_row is null: the decode kernels' [top_k, H]), s = 0..top_k in order. Launch: grid
-// (ceil(H / 256), T), block 256.
-ATLAS_KERNEL void moe_combine(const float* y, const int* slot_row, const float* weights, int top_k, int H, float* out) {
+// when slot_row is null: the decode kernels' [top_k (+ 1), H]), s = 0..top_k in order; then, with
+// shared_logit (decode only), + sigmoid(shared_logit[0]) · y[top_k, c], the shared expert's slot.
+// Launch: grid (ceil(H / 256), T), block 256.
+ATLAS_KERNEL void moe_combine(const float* y, const int* slot_row, const float* weights, const float* shared_logit,
+                              int top_k, int H, float* out) {
     const long t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= H) return;
@@ -363,5 +385,6 @@ ATLAS_KERNEL void moe_combine(const float* y, const int* slot_row, const float* 
         const long row = slot_row ? slot_row[i] : i;
         acc += weights[i] * y[row * H + c];
     }
+    if (shared_logit) acc += y[(long)top_k * H + c] / (1.0f + expf(-shared_logit[0]));
     out[t * H + c] += acc;
 }

@@ -198,7 +198,9 @@ fn embedding_linear_and_argmax() {
             };
             let what = format!("{} T={t} N={n} K={k}", if fp8 { "fp8" } else { "bf16" });
 
-            let ws: Vec<_> = [n, n / 4, n / 4]
+            // q, k, v; then four (one launch) and five (two launches) projections, the last two
+            // of a DeltaNet layer's few rows (its b and a).
+            let ws: Vec<_> = [n, n / 4, n / 4, 3, 5]
                 .iter()
                 .map(|&rows| {
                     let (cw, gw) = matrix_pair(&mut rng, fp8, rows, k);
@@ -213,6 +215,16 @@ fn embedding_linear_and_argmax() {
             let got = g.norm_linears(&x.gpu, &norm.gpu, 1e-6, [gp(0), gp(1), gp(2)]).unwrap();
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 check(&g, a, b, tol, &format!("norm_linears[{i}] {what}"));
+            }
+            let want = c.norm_linears(&x.cpu, &norm.cpu, 1e-6, [cp(0), cp(1), cp(2), cp(3)]).unwrap();
+            let got = g.norm_linears(&x.gpu, &norm.gpu, 1e-6, [gp(0), gp(1), gp(2), gp(3)]).unwrap();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                check(&g, a, b, tol, &format!("norm_linears of four [{i}] {what}"));
+            }
+            let want = c.norm_linears(&x.cpu, &norm.cpu, 1e-6, [cp(0), cp(1), cp(2), cp(3), cp(4)]).unwrap();
+            let got = g.norm_linears(&x.gpu, &norm.gpu, 1e-6, [gp(0), gp(1), gp(2), gp(3), gp(4)]).unwrap();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                check(&g, a, b, tol, &format!("norm_linears of five [{i}] {what}"));
             }
 
             let (gate, up) = (matrix_pair(&mut rng, fp8, n, k), matrix_pair(&mut rng, fp8, n, k));
@@ -671,7 +683,7 @@ fn hybrid_fixture_models_match_the_goldens_and_the_cpu() {
 // activations to bf16, twice: the input and the SiLU·up product). A routing that chose another
 // expert would be off by O(1).
 
-use atlas::backend::{GatedMlp, HostMlp, Routing};
+use atlas::backend::{GatedMlp, HostMlp, Routing, SharedExpert};
 
 /// NaN in device memory of these sizes (floats), freed again: the stream's pool hands such blocks
 /// to the next allocations of the same sizes (the op's output and temporaries), so a value a
@@ -786,12 +798,14 @@ fn moe_odd_shapes_and_long_prompts() {
     let mut rng = Rng::new(33);
     // Widths the GEMVs do not take (bf16: not whole 8-value chunks; fp8: not whole 16-value
     // chunks): one token goes through the grouped GEMMs too. Then more tokens than one chunk of
-    // the grouped path (4096), and top-1 routing.
+    // the grouped path (4096), top-1 routing, and 600 experts.
     for (fp8, e, k, hidden, inter, tokens) in [
         (false, 8, 2, 100, 36, &[1, 5][..]),
         (true, 8, 2, 264, 48, &[1, 5][..]),
         (false, 6, 3, 64, 32, &[4100][..]),
         (false, 16, 1, 128, 64, &[1, 300][..]),
+        // Many experts: the routing warp takes 19 logits a lane.
+        (false, 600, 3, 64, 32, &[1][..]),
     ] {
         let (ce, ge) = expert_pairs(&mut rng, fp8, e, hidden, inter);
         let (ce, ge) = (upload_experts_to(&c, ce), upload_experts_to(&g, ge));
@@ -809,6 +823,57 @@ fn moe_odd_shapes_and_long_prompts() {
     mixed[1].down = Box::new(bf16_matrix(&mut rng, 64, 48));
     let mut it = mixed.into_iter();
     assert!(g.upload_experts(2, &mut |_| Ok(it.next().unwrap())).is_err(), "experts of mixed shapes");
+}
+
+/// A shared expert uploaded to both backends.
+fn shared_pair(g: &GpuBackend, c: &CpuBackend, rng: &mut Rng, fp8: bool, hidden: usize, inter: usize) -> (GatedMlp<CpuBackend>, GatedMlp<GpuBackend>) {
+    let (mut host_c, mut host_g) = expert_pairs(rng, fp8, 1, hidden, inter);
+    let (hc, hg) = (host_c.remove(0), host_g.remove(0));
+    let on_cpu = GatedMlp { gate: c.upload_weight(hc.gate).unwrap(), up: c.upload_weight(hc.up).unwrap(), down: c.upload_weight(hc.down).unwrap() };
+    let on_gpu = GatedMlp { gate: g.upload_weight(hg.gate).unwrap(), up: g.upload_weight(hg.up).unwrap(), down: g.upload_weight(hg.down).unwrap() };
+    (on_cpu, on_gpu)
+}
+
+#[test]
+fn moe_block_with_a_shared_expert_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(34);
+    // One token takes the fused four-launch block (the norm inside gate/up, the shared expert as
+    // one more slot); several tokens, a shared expert of another width or none take the composed
+    // ops. bf16 and fp8.
+    for (fp8, e, k, hidden, inter, shared_inter, t) in [
+        (false, 16, 4, 256, 128, Some(128), 1),
+        (true, 16, 4, 256, 128, Some(128), 1),
+        (true, 64, 8, 512, 256, Some(256), 1),
+        (true, 16, 4, 256, 128, Some(256), 1),
+        (false, 16, 4, 256, 128, None, 1),
+        (true, 16, 4, 256, 128, Some(128), 7),
+    ] {
+        let what = format!("moe block {} E={e} k={k} H={hidden} I={inter} shared {shared_inter:?} T={t}", if fp8 { "fp8" } else { "bf16" });
+        let (ce, ge) = expert_pairs(&mut rng, fp8, e, hidden, inter);
+        let (ce, ge) = (upload_experts_to(&c, ce), upload_experts_to(&g, ge));
+        let shared = shared_inter.map(|si| shared_pair(&g, &c, &mut rng, fp8, hidden, si));
+        let x = pair(&g, t, hidden, random(&mut rng, t * hidden, 2.0));
+        let norm = pair(&g, 1, hidden, random(&mut rng, hidden, 1.5));
+        let logits = pair(&g, t, e, random(&mut rng, t * e, 3.0));
+        let gate_logits = pair(&g, t, 1, random(&mut rng, t, 2.0));
+        let routing = Routing { top_k: k, normalize: true };
+        let mut want = CpuTensor::new(t, hidden, x.cpu.data.clone());
+        let cs = shared.as_ref().map(|(sc, _)| SharedExpert { mlp: sc, gate_logits: &gate_logits.cpu });
+        c.moe_block_add(&mut want, &norm.cpu, 1e-6, &logits.cpu, &ce, cs, routing).unwrap();
+        let run = || {
+            moe_poison(&g, &[t * hidden, (k + 1) * inter, (k + 1) * hidden, t * k * hidden]);
+            let mut got = g.upload_f32(t, hidden, &x.cpu.data).unwrap();
+            let gs = shared.as_ref().map(|(_, sg)| SharedExpert { mlp: sg, gate_logits: &gate_logits.gpu });
+            g.moe_block_add(&mut got, &norm.gpu, 1e-6, &logits.gpu, &ge, gs, routing).unwrap();
+            got
+        };
+        let got = run();
+        check(&g, &got, &want, moe_tolerance(t, fp8), &what);
+        let bits = |x: &GpuTensor| g.to_host(x).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&got) == bits(&run()), "{what}: two runs differ");
+    }
 }
 
 fn moe_logits_error(got: &[f32], want: &[f32]) -> f32 {

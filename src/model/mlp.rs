@@ -12,7 +12,7 @@
 
 use super::config::{MoeConfig, ModelConfig};
 use super::loader::{Linear, Loader};
-use crate::backend::{Backend, GatedMlp, HostMlp, Proj, Routing};
+use crate::backend::{Backend, GatedMlp, HostMlp, Proj, Routing, SharedExpert};
 use crate::Result;
 
 /// `down(silu(gate(x)) * up(x))`, with biases where the checkpoint has them (Llama's mlp_bias).
@@ -57,11 +57,11 @@ pub struct SparseMoe<B: Backend> {
     /// The router, `[E, H]`.
     gate: B::Weight,
     experts: B::Experts,
-    shared_expert: Option<SharedExpert<B>>,
+    shared_expert: Option<SharedMlp<B>>,
     routing: Routing,
 }
 
-struct SharedExpert<B: Backend> {
+struct SharedMlp<B: Backend> {
     mlp: GatedMlp<B>,
     /// `[1, H]`: the shared expert's output is scaled by sigmoid of this projection.
     gate: B::Weight,
@@ -96,7 +96,7 @@ impl<B: Backend> SparseMoe<B> {
         })?;
         let shared_expert = match moe.shared_expert_intermediate_size {
             0 => None,
-            si => Some(SharedExpert {
+            si => Some(SharedMlp {
                 mlp: gated_mlp(ld, &format!("{prefix}.shared_expert"), hidden, si)?,
                 gate: ld.matrix(&format!("{prefix}.shared_expert_gate.weight"), 1, hidden)?,
             }),
@@ -105,22 +105,21 @@ impl<B: Backend> SparseMoe<B> {
         Ok(SparseMoe { gate, experts, shared_expert, routing })
     }
 
-    /// `x += moe(rms_norm(x))`. The shared expert's gate scales its hidden activations before
-    /// `down` (a linear map: the same as scaling its output), so that `down` adds into `x`; the
-    /// norm is fused into the small projections, as everywhere.
+    /// `x += moe(rms_norm(x))`: the router (and the shared expert's gate) with the norm fused,
+    /// then the block, which the backend runs as few launches as it can.
     pub fn forward_add(&self, b: &B, x: &mut B::Tensor, norm: &B::Tensor, eps: f32) -> Result<()> {
-        let xn = b.rms_norm(x, norm, eps)?; // [T, H]
         let proj = |w| Proj { weight: w, bias: None };
-        let Some(shared) = &self.shared_expert else {
-            let logits = b.linear(&xn, &self.gate, None)?; // [T, E]
-            return b.moe_add(&xn, &logits, &self.experts, self.routing, x);
-        };
-        let [logits, shared_gate] = b.norm_linears(x, norm, eps, [proj(&self.gate), proj(&shared.gate)])?; // [T, E], [T, 1]
-        let mlp = &shared.mlp;
-        let mut h = b.norm_silu_gate_up(x, norm, eps, proj(&mlp.gate), proj(&mlp.up))?; // [T, I_shared]
-        b.sigmoid_gate(&mut h, &shared_gate)?; // h *= sigmoid([T, 1])
-        b.moe_add(&xn, &logits, &self.experts, self.routing, x)?; // x += Σ routed experts
-        b.linear_add(&h, &mlp.down, None, x) // x += down(h)
+        match &self.shared_expert {
+            None => {
+                let [logits] = b.norm_linears(x, norm, eps, [proj(&self.gate)])?; // [T, E]
+                b.moe_block_add(x, norm, eps, &logits, &self.experts, None, self.routing)
+            }
+            Some(s) => {
+                let [logits, gate_logits] = b.norm_linears(x, norm, eps, [proj(&self.gate), proj(&s.gate)])?; // [T, E], [T, 1]
+                let shared = SharedExpert { mlp: &s.mlp, gate_logits: &gate_logits };
+                b.moe_block_add(x, norm, eps, &logits, &self.experts, Some(shared), self.routing)
+            }
+        }
     }
 }
 

@@ -153,6 +153,8 @@ const INITIAL_ARENA: usize = 64 << 20;
 
 const BLOCK: u32 = 256;
 const GEMV_MAX_T: usize = 8;
+/// Projections of one input that the one-token GEMV (gemv1_*) takes in a launch.
+const GEMV1_SEGMENTS: usize = 4;
 /// Launch shapes fixed by the kernels (their #defines).
 const GEMV_THREADS: u32 = 256;
 const GEMV_ROWS: u32 = 2;
@@ -291,7 +293,7 @@ impl GpuBackend {
         Ok(table.as_ref().map_or(0, |(_, t)| t.buf.ptr))
     }
 
-    /// One-token products of one input with up to three weights of one format (q, k, v), each
+    /// One-token products of one input with up to four weights of one format (q, gate, k, v), each
     /// `(weight, bias, output)`; `norm` RMS-normalises the input first; `residual` (may be the first
     /// output) is added to the first product.
     fn gemv1(
@@ -301,13 +303,13 @@ impl GpuBackend {
         norm: Option<(&GpuTensor, f32)>,
         residual: Option<u64>,
     ) -> Result<()> {
-        let mut args = Vec::with_capacity(20);
+        let mut args = Vec::with_capacity(25);
         let seg = |i: usize| projs.get(i);
-        args.extend((0..3).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.buf.ptr))));
-        args.extend((0..3).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.scales()))));
-        args.extend((0..3).map(|i| Arg::Ptr(seg(i).and_then(|p| p.1).map_or(0, |b| b.buf.ptr))));
-        args.extend((0..3).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.2))));
-        args.extend((0..3).map(|i| Arg::I32(seg(i).map_or(0, |p| p.0.rows as i32))));
+        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.buf.ptr))));
+        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.scales()))));
+        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).and_then(|p| p.1).map_or(0, |b| b.buf.ptr))));
+        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.2))));
+        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::I32(seg(i).map_or(0, |p| p.0.rows as i32))));
         let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
         args.extend([Arg::Ptr(x.buf.ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual.unwrap_or(0)), Arg::I32(x.cols as i32)]);
         let rows: usize = projs.iter().map(|p| p.0.rows).sum();
@@ -779,8 +781,8 @@ impl Backend for GpuBackend {
         }
         let out = projs.iter().map(|p| self.tensor(1, p.weight.rows)).collect::<Result<Vec<_>>>()?;
         let segs: Vec<_> = projs.iter().zip(&out).map(|(p, y)| (p.weight, p.bias, y.buf.ptr)).collect();
-        // The kernels take three projections a launch; each launch normalises the one row again.
-        for group in segs.chunks(3) {
+        // The kernels take four projections a launch; each launch normalises the one row again.
+        for group in segs.chunks(GEMV1_SEGMENTS) {
             self.gemv1(x, group, Some((norm, eps)), None)?;
         }
         out.try_into().map_err(|_| Error::InvalidArgument("norm_linears: projection count".into()))
@@ -938,6 +940,19 @@ impl Backend for GpuBackend {
     // Launches in moe.rs.
     fn moe_add(&self, xn: &GpuTensor, router_logits: &GpuTensor, experts: &GpuExperts, routing: super::Routing, residual: &mut GpuTensor) -> Result<()> {
         self.moe_forward(xn, router_logits, experts, routing, residual)
+    }
+
+    fn moe_block_add(
+        &self,
+        x: &mut GpuTensor,
+        norm: &GpuTensor,
+        eps: f32,
+        router_logits: &GpuTensor,
+        experts: &GpuExperts,
+        shared: Option<super::SharedExpert<'_, Self>>,
+        routing: super::Routing,
+    ) -> Result<()> {
+        self.moe_block(x, norm, eps, router_logits, experts, shared, routing)
     }
 
     // The Qwen3.5 hybrid ops: launches in delta_net.rs.

@@ -6,7 +6,9 @@
 //! - Decode (one token): `moe_route`, then the chosen experts' gate/up GEMV (grid: row tiles x
 //!   top_k, SiLU·up fused), their down GEMV (row tiles x top_k) and `moe_combine`, which weighs and
 //!   sums the top_k outputs in expert order and adds them to the residual stream. Only the chosen
-//!   experts' weights are read.
+//!   experts' weights are read. A whole block (`moe_block`) also normalises the input inside
+//!   gate/up and runs a shared expert of the same shape as one more slot, weighed by its sigmoid
+//!   gate in the combine: four launches.
 //! - Prefill: `moe_route`, the assignments grouped by expert (`moe_count`, `moe_index`), the inputs
 //!   gathered in that order, grouped GEMMs for gate and up (one launch), `silu_mul`, a grouped GEMM
 //!   for down, and `moe_combine`; `MOE_CHUNK_TOKENS` tokens at a time.
@@ -14,10 +16,10 @@
 
 use super::runtime::Arg;
 use super::{
-    as_bytes, blocks, byte_size, DeviceBuffer, GpuBackend, GpuTensor, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED,
-    FP8_GEMV_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_ROWS, GEMV_THREADS,
+    as_bytes, blocks, byte_size, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED,
+    FP8_GEMV_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_MAX_STAGED, GEMV_ROWS, GEMV_THREADS,
 };
-use crate::backend::{Backend, HostMlp, Routing};
+use crate::backend::{compose_moe_block, Backend, GatedMlp, HostMlp, Routing, SharedExpert};
 use crate::quant::fp8::FP8_BLOCK;
 use crate::quant::{DType, QuantMatrix};
 use crate::{Error, Result};
@@ -158,7 +160,7 @@ impl GpuBackend {
         }
         let out = residual.buf.ptr;
         if t == 1 && self.moe_gemv_fits(ex) {
-            return self.moe_decode(xn.buf.ptr, logits.buf.ptr, ex, routing, out);
+            return self.moe_decode(xn.buf.ptr, None, logits.buf.ptr, ex, None, routing, out);
         }
         for first in (0..t).step_by(MOE_CHUNK_TOKENS) {
             let tokens = MOE_CHUNK_TOKENS.min(t - first);
@@ -167,6 +169,41 @@ impl GpuBackend {
             self.moe_grouped(xn.buf.ptr + x_at, logits.buf.ptr + logits_at, tokens, ex, routing, out + out_at)?;
         }
         Ok(())
+    }
+
+    /// `Backend::moe_block_add`: one token in four launches (route, gate/up with the norm fused
+    /// and the shared expert as one more slot, down, combine into `x`) where the shapes allow;
+    /// the composed ops otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_block(
+        &self,
+        x: &mut GpuTensor,
+        norm: &GpuTensor,
+        eps: f32,
+        logits: &GpuTensor,
+        ex: &GpuExperts,
+        shared: Option<SharedExpert<'_, GpuBackend>>,
+        routing: Routing,
+    ) -> Result<()> {
+        let (h, i) = (ex.hidden, ex.inter);
+        let same = |w: &GpuWeight, rows, cols| (w.rows, w.cols) == (rows, cols) && w.is_fp8() == ex.fp8;
+        let shared_fits = shared.as_ref().is_none_or(|s| {
+            same(&s.mlp.gate, i, h) && same(&s.mlp.up, i, h) && same(&s.mlp.down, h, i) && s.gate_logits.rows * s.gate_logits.cols == 1
+        });
+        let fused = x.rows == 1
+            && x.cols == h
+            && norm.cols == h
+            && logits.rows == 1
+            && logits.cols == ex.count
+            && (1..=ex.count.min(MOE_MAX_K)).contains(&routing.top_k)
+            && shared_fits
+            && (ex.fp8 || h <= GEMV_MAX_STAGED)
+            && self.moe_gemv_fits(ex);
+        if !fused {
+            return compose_moe_block(self, x, norm, eps, logits, ex, shared, routing);
+        }
+        let out = x.buf.ptr;
+        self.moe_decode(x.buf.ptr, Some((norm, eps)), logits.buf.ptr, ex, shared.as_ref(), routing, out)
     }
 
     /// Whether the one-token expert GEMVs take these experts: whole 16-byte chunks per row, and
@@ -194,14 +231,30 @@ impl GpuBackend {
         self.rt.launch("moe_route", [tokens as u32, 1, 1], [self.rt.warp_size(), 1, 1], 0, &args)
     }
 
-    /// One token: route, the chosen experts' GEMVs, the weighted sum added to `out` `[1, H]`.
-    fn moe_decode(&self, x: u64, logits: u64, ex: &GpuExperts, routing: Routing, out: u64) -> Result<()> {
+    /// One token: route, the chosen experts' GEMVs (and the shared expert's, as slot top_k), the
+    /// weighted sum added to `out` `[1, H]`. `x` is normalised by the gate/up kernel when `norm`
+    /// is given; `out` may be `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_decode(
+        &self,
+        x: u64,
+        norm: Option<(&GpuTensor, f32)>,
+        logits: u64,
+        ex: &GpuExperts,
+        shared: Option<&SharedExpert<'_, GpuBackend>>,
+        routing: Routing,
+        out: u64,
+    ) -> Result<()> {
         let (h, i, k) = (ex.hidden, ex.inter, routing.top_k);
+        let slots = k + usize::from(shared.is_some());
         let ids = self.scratch(k * 4)?;
         let weights = self.scratch(k * 4)?;
         self.moe_route(logits, 1, ex.count, routing, ids.ptr, weights.ptr)?;
-        let act = self.scratch(byte_size("expert activations", &[k, i, 4])?)?;
-        let y = self.scratch(byte_size("expert outputs", &[k, h, 4])?)?;
+        let act = self.scratch(byte_size("expert activations", &[slots, i, 4])?)?;
+        let y = self.scratch(byte_size("expert outputs", &[slots, h, 4])?)?;
+        let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
+        let shared_ptr = |w: fn(&GatedMlp<GpuBackend>) -> &GpuWeight| shared.map_or((0, 0), |s| (w(s.mlp).buf.ptr, w(s.mlp).scales()));
+        let ((sg, sg_scales), (su, su_scales), (sd, sd_scales)) = (shared_ptr(|m| &m.gate), shared_ptr(|m| &m.up), shared_ptr(|m| &m.down));
         let gate_up = [
             Arg::Ptr(ex.gate.buf.ptr),
             Arg::Ptr(ex.up.buf.ptr),
@@ -209,20 +262,30 @@ impl GpuBackend {
             Arg::Ptr(ex.up.scales()),
             Arg::Ptr(ids.ptr),
             Arg::Ptr(x),
+            Arg::Ptr(norm_w),
+            Arg::F32(eps),
+            Arg::Ptr(sg),
+            Arg::Ptr(su),
+            Arg::Ptr(sg_scales),
+            Arg::Ptr(su_scales),
             Arg::Ptr(act.ptr),
             Arg::I32(i as i32),
             Arg::I32(h as i32),
+            Arg::I32(k as i32),
         ];
         let down = [
             Arg::Ptr(ex.down.buf.ptr),
             Arg::Ptr(ex.down.scales()),
             Arg::Ptr(ids.ptr),
             Arg::Ptr(act.ptr),
+            Arg::Ptr(sd),
+            Arg::Ptr(sd_scales),
             Arg::Ptr(y.ptr),
             Arg::I32(h as i32),
             Arg::I32(i as i32),
+            Arg::I32(k as i32),
         ];
-        let k32 = k as u32;
+        let k32 = slots as u32;
         if ex.fp8 {
             let block = [FP8_GEMV_THREADS, 1, 1];
             let (gi, gh) = ([blocks(i, FP8_GEMV_ROWS), k32, 1], [blocks(h, FP8_GEMV_ROWS), k32, 1]);
@@ -231,10 +294,13 @@ impl GpuBackend {
         } else {
             let rows = GEMV_ROWS * GEMV_THREADS / self.rt.warp_size();
             let block = [GEMV_THREADS, 1, 1];
-            self.rt.launch("moe_gate_up_bf16", [blocks(i, rows), k32, 1], block, 0, &gate_up)?;
+            // The input normalised into shared memory (f32) when the norm is fused.
+            let staged = if norm.is_some() { (h * 4) as u32 } else { 0 };
+            self.rt.launch("moe_gate_up_bf16", [blocks(i, rows), k32, 1], block, staged, &gate_up)?;
             self.rt.launch("moe_down_bf16", [blocks(h, rows), k32, 1], block, 0, &down)?;
         }
-        let args = [Arg::Ptr(y.ptr), Arg::Ptr(0), Arg::Ptr(weights.ptr), Arg::I32(k as i32), Arg::I32(h as i32), Arg::Ptr(out)];
+        let shared_logit = shared.map_or(0, |s| s.gate_logits.buf.ptr);
+        let args = [Arg::Ptr(y.ptr), Arg::Ptr(0), Arg::Ptr(weights.ptr), Arg::Ptr(shared_logit), Arg::I32(k as i32), Arg::I32(h as i32), Arg::Ptr(out)];
         self.rt.launch("moe_combine", [blocks(h, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &args)
     }
 
@@ -306,6 +372,7 @@ impl GpuBackend {
             Arg::Ptr(y.buf.ptr),
             Arg::Ptr(slot_row.ptr),
             Arg::Ptr(weights.ptr),
+            Arg::Ptr(0),
             Arg::I32(k as i32),
             Arg::I32(h as i32),
             Arg::Ptr(out),
