@@ -212,6 +212,14 @@ def seeds_chat_request():
                        "reasoning_effort": "high", "max_tokens": 1, "temperature": 0},
         "greedy.json": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
                         "temperature": 0, "stop": "2"},
+        # Constrained decoding: schemas and Lark grammars reach llguidance through run_chat.
+        "json_schema.json": {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "w",
+                             "strict": True, "schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 9},
+                             "days": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3},
+                             "t": {"anyOf": [{"type": "number", "minimum": -5}, {"type": "null"}]}},
+                             "required": ["city"], "additionalProperties": False}}}, "logit_bias": {"5": -100, "9": 3.5}},
+        "json_object.json": {"messages": msgs, "response_format": {"type": "json_object"}, "modalities": ["text"]},
+        "lark.json": {"messages": msgs, "grammar": "start: (\"yes\" | \"no\") \" \" NUM\nNUM: /[0-9]{1,3}/"},
     }
     for name, r in reqs.items():
         put("chat_request", name, json.dumps(r))

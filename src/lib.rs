@@ -7,6 +7,7 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod grammar;
 pub mod ffi;
 pub mod model;
 pub mod quant;

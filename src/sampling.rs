@@ -16,6 +16,8 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Subtracted per occurrence from the logit of every token already generated.
     pub frequency_penalty: f32,
+    /// Added to the logits of these token ids before anything else (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: Option<u64>,
 }
 
@@ -29,6 +31,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: None,
         }
     }
@@ -51,6 +54,9 @@ impl SamplingParams {
         }
         if !finite(self.presence_penalty) || !finite(self.frequency_penalty) {
             return Err("presence and frequency penalties must be finite".into());
+        }
+        if let Some((id, bias)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(format!("logit_bias of token {id} must be in [-100, 100], got {bias}"));
         }
         Ok(())
     }
@@ -107,11 +113,16 @@ impl Sampler {
         Sampler { rng: Rng::new(seed), params, vocab_limit }
     }
 
-    /// True when the choice is the plain argmax of the logits (no temperature, no penalties), which
-    /// a GPU can make on the device: only the id then crosses to the host.
+    /// True when the choice is the plain argmax of the logits (no temperature, penalties or
+    /// biases), which a GPU can make on the device: only the id then crosses to the host.
     pub fn is_plain_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.leaves_logits_alone()
+    }
+
+    /// No penalty or bias changes the logits before the choice.
+    fn leaves_logits_alone(&self) -> bool {
         let p = &self.params;
-        p.temperature == 0.0 && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.logit_bias.is_empty()
     }
 
     /// Ids at or above this are never chosen.
@@ -136,8 +147,7 @@ impl Sampler {
     /// penalties), `Some(k)`: a GPU then hands over those k (id, logit) pairs instead of every logit.
     pub fn device_top_k(&self) -> Option<usize> {
         let p = &self.params;
-        let no_penalties = p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
-        (p.temperature > 0.0 && no_penalties && (1..=MAX_DEVICE_TOP_K).contains(&p.top_k)).then_some(p.top_k)
+        (p.temperature > 0.0 && self.leaves_logits_alone() && (1..=MAX_DEVICE_TOP_K).contains(&p.top_k)).then_some(p.top_k)
     }
 
     /// Chooses the next token from the `device_top_k()` largest logits (id, logit), as `sample`
@@ -168,6 +178,11 @@ impl Sampler {
 
     fn apply_penalties(&self, logits: &mut [f32], history: &[u32], output_start: usize) {
         let p = &self.params;
+        for &(id, bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let mut seen = vec![false; logits.len()];
             for &t in history {
@@ -348,6 +363,21 @@ mod tests {
         let mut s = Sampler::new(params(0.0), 4);
         let mut l = vec![0.0, 1.0, 2.0, 3.0, 100.0];
         assert_eq!(s.sample(&mut l, &[], 0), 3);
+    }
+
+    #[test]
+    fn logit_bias_moves_and_bans_tokens_and_leaves_the_device_paths() {
+        let base = vec![5.0, 4.9, 0.0];
+        let mut s = Sampler::new(SamplingParams { logit_bias: vec![(2, 10.0)], ..params(0.0) }, 3);
+        assert!(!s.is_plain_greedy());
+        assert_eq!(s.sample(&mut base.clone(), &[], 0), 2);
+        let ban = SamplingParams { logit_bias: vec![(0, -100.0)], ..params(1.0) };
+        assert_eq!(Sampler::new(SamplingParams { top_k: 5, ..ban.clone() }, 3).device_top_k(), None);
+        let mut s = Sampler::new(ban, 3);
+        for _ in 0..50 {
+            assert_ne!(s.sample(&mut base.clone(), &[], 0), 0);
+        }
+        assert!(SamplingParams { logit_bias: vec![(1, 100.5)], ..Default::default() }.validate().is_err());
     }
 
     #[test]

@@ -21,6 +21,7 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) ->
     })
 }
 
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
 }
@@ -58,6 +59,12 @@ impl Tokenizer {
     /// SentencePiece writes a space as the 3-byte `▁`, byte fallback as `<0xNN>`).
     pub fn longest_token_bytes(&self) -> usize {
         self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1)
+    }
+
+    /// The tokenizer in tokenizer.json form (for GGUF models too, whose tokenizer is built from the
+    /// file's metadata).
+    pub fn to_json(&self) -> Result<String> {
+        guarded("serialising", || self.inner.to_string(false).map_err(|e| e.to_string())).map_err(Error::Tokenizer)
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

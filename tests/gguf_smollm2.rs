@@ -55,6 +55,7 @@ fn greedy_answers_match_the_goldens() {
             sampling: SamplingParams::default(),
             stop: vec![],
             ignore_eos: false,
+            grammar: None,
         };
         let out = e.generate(&req, &mut |_| true).unwrap();
         assert_eq!(out.text, a["text"].as_str().unwrap(), "answer to {}", a["prompt"]);

@@ -83,6 +83,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         sampling: sampling(engine.default_sampling(), &request.sampling),
         stop: request.stop.clone(),
         ignore_eos: false,
+        grammar: request.grammar.clone(),
     };
 
     let mut answer = Answer::default();
@@ -204,6 +205,7 @@ fn sampling(base: SamplingParams, o: &SamplingOverrides) -> SamplingParams {
         repetition_penalty: o.repetition_penalty.unwrap_or(base.repetition_penalty),
         presence_penalty: o.presence_penalty.unwrap_or(base.presence_penalty),
         frequency_penalty: o.frequency_penalty.unwrap_or(base.frequency_penalty),
+        logit_bias: o.logit_bias.clone(),
         seed: o.seed.or(base.seed),
     }
 }

@@ -4,6 +4,7 @@
 
 use serde_json::{Map, Value};
 
+use crate::grammar::GrammarSpec;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +25,8 @@ pub struct SamplingOverrides {
     pub repetition_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Token id → bias in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: Option<u64>,
 }
 
@@ -42,6 +45,9 @@ pub struct ChatRequest {
     /// Extra template variables (chat_template_kwargs, enable_thinking from reasoning_effort).
     pub template_kwargs: Map<String, Value>,
     pub model: Option<String>,
+    /// What the answer must parse as: `response_format` (json_object, json_schema) or the
+    /// `grammar` extension field (Lark).
+    pub grammar: Option<GrammarSpec>,
 }
 
 /// Keys accepted without effect: they never change the generated text.
@@ -74,7 +80,9 @@ impl ChatRequest {
             include_usage: false,
             template_kwargs: Map::new(),
             model: None,
+            grammar: None,
         };
+        let mut lark = None;
         let mut tool_choice = None;
         let mut reasoning_effort = None;
         for (key, v) in obj {
@@ -108,13 +116,23 @@ impl ChatRequest {
                 "n" if v.as_u64() == Some(1) => {}
                 "n" => return Err(Error::Unsupported("n other than 1 (one choice per request)".into())),
                 "logprobs" if v.as_bool() == Some(false) => {}
-                "response_format" if v.get("type").and_then(Value::as_str) == Some("text") => {}
+                "logit_bias" => s.logit_bias = logit_bias(v)?,
+                "response_format" => req.grammar = response_format(v)?,
+                "grammar" => lark = Some(v.as_str().ok_or_else(|| bad("grammar must be a string (a Lark grammar)"))?),
+                "modalities" if v == &serde_json::json!(["text"]) => {}
+                "modalities" => return Err(Error::Unsupported("output modalities other than [\"text\"]".into())),
                 k if INERT_KEYS.contains(&k) => {}
                 other => return Err(Error::Unsupported(format!("request field {other:?}"))),
             }
         }
         if req.messages.is_null() {
             return Err(bad("messages is required"));
+        }
+        if let Some(text) = lark {
+            if req.grammar.is_some() {
+                return Err(bad("grammar and a JSON response_format exclude each other"));
+            }
+            req.grammar = Some(GrammarSpec::Lark(text.to_string()));
         }
         if let Some(tc) = tool_choice {
             req.tool_choice = parse_tool_choice(tc, req.tools.as_ref())?;
@@ -180,6 +198,43 @@ fn stop(v: &Value) -> Result<Vec<String>> {
         return Err(bad(&format!("a stop string of {} bytes (at most {MAX_STOP_BYTES})", long.len())));
     }
     Ok(list)
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to biases in [-100, 100].
+fn logit_bias(v: &Value) -> Result<Vec<(u32, f32)>> {
+    let obj = v.as_object().ok_or_else(|| bad("logit_bias must be an object from token ids to numbers"))?;
+    obj.iter()
+        .map(|(id, bias)| {
+            let id = id.parse::<u32>().map_err(|_| bad(&format!("logit_bias key {id:?} is not a token id")))?;
+            let bias = bias.as_f64().ok_or_else(|| bad(&format!("logit_bias of token {id} must be a number")))? as f32;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(bad(&format!("logit_bias of token {id} must be in [-100, 100], got {bias}")));
+            }
+            Ok((id, bias))
+        })
+        .collect()
+}
+
+/// `response_format`: text, json_object (any object, or llama.cpp's `schema` beside it) or
+/// json_schema ({name, schema, strict}).
+fn response_format(v: &Value) -> Result<Option<GrammarSpec>> {
+    let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| bad("response_format needs a type"))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(match v.get("schema") {
+            Some(schema) if !schema.is_null() => GrammarSpec::JsonSchema(schema.clone()),
+            _ => GrammarSpec::JsonObject,
+        })),
+        "json_schema" => {
+            let spec = v.get("json_schema").ok_or_else(|| bad("response_format json_schema needs a json_schema object"))?;
+            match spec.get("schema") {
+                Some(schema) if schema.is_object() || schema.is_boolean() => Ok(Some(GrammarSpec::JsonSchema(schema.clone()))),
+                Some(_) => Err(bad("response_format.json_schema.schema must be a JSON schema (an object)")),
+                None => Ok(Some(GrammarSpec::JsonObject)),
+            }
+        }
+        other => Err(bad(&format!("response_format type {other:?} (text, json_object or json_schema)"))),
+    }
 }
 
 fn model_name(v: &Value) -> Result<String> {
@@ -382,9 +437,8 @@ mod tests {
         let m = json!([{"role": "user", "content": "hi"}]);
         for (field, value) in [
             ("n", json!(2)),
-            ("logit_bias", json!({"1": 5})),
             ("logprobs", json!(true)),
-            ("response_format", json!({"type": "json_object"})),
+            ("modalities", json!(["text", "audio"])),
             ("frobnicate", json!(1)),
         ] {
             let err = parse(json!({"messages": m, field: value})).unwrap_err();
@@ -392,6 +446,40 @@ mod tests {
         }
         let err = parse(json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})).unwrap_err();
         assert!(err.to_string().contains("image_url"));
+    }
+
+    #[test]
+    fn output_constraints_and_logit_bias_are_understood() {
+        let m = json!([{"role": "user", "content": "x"}]);
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let cases = [
+            (json!({"type": "text"}), None),
+            (json!({"type": "json_object"}), Some(GrammarSpec::JsonObject)),
+            (json!({"type": "json_object", "schema": schema}), Some(GrammarSpec::JsonSchema(schema.clone()))),
+            (json!({"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": true}}),
+                Some(GrammarSpec::JsonSchema(schema.clone()))),
+        ];
+        for (format, want) in cases {
+            let r = parse(json!({"messages": m, "response_format": format, "modalities": ["text"]})).unwrap();
+            assert_eq!(r.grammar, want, "{format}");
+        }
+        let r = parse(json!({"messages": m, "grammar": "start: \"yes\" | \"no\""})).unwrap();
+        assert_eq!(r.grammar, Some(GrammarSpec::Lark("start: \"yes\" | \"no\"".into())));
+        let r = parse(json!({"messages": m, "logit_bias": {"15": -100, "7": 2.5}})).unwrap();
+        assert_eq!(r.sampling.logit_bias, vec![(15, -100.0), (7, 2.5)]);
+        for (field, value, why) in [
+            ("logit_bias", json!({"x": 1}), "not a token id"),
+            ("logit_bias", json!({"3": 101}), "[-100, 100]"),
+            ("logit_bias", json!([1]), "must be an object"),
+            ("response_format", json!({"type": "yaml"}), "yaml"),
+            ("response_format", json!({"type": "json_schema", "json_schema": {"schema": "x"}}), "must be a JSON schema"),
+            ("grammar", json!(5), "Lark"),
+        ] {
+            let err = parse(json!({"messages": m, field: value})).unwrap_err();
+            assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains(why), "{field}: {err}");
+        }
+        let both = parse(json!({"messages": m, "grammar": "start: \"a\"", "response_format": {"type": "json_object"}}));
+        assert!(both.unwrap_err().to_string().contains("exclude each other"));
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod frontend;
 mod stop;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub use frontend::{check_fits, Frontend};
@@ -15,6 +16,7 @@ use crate::backend::{Backend, StepOutput, StepResult};
 use crate::backend::gpu::{cuda, hip, GpuBackend};
 use crate::chat::ChatTemplate;
 use crate::gguf::GgufStore;
+use crate::grammar::{GrammarSpec, GrammarVocab};
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
 use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
@@ -86,6 +88,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep going past end-of-sequence tokens (for benchmarks and verification).
     pub ignore_eos: bool,
+    /// What the output must parse as (masks the logits before every choice).
+    pub grammar: Option<GrammarSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -114,6 +118,8 @@ pub struct Engine {
     cached: Vec<u32>,
     default_seed: Option<u64>,
     report: LoadReport,
+    /// The vocabulary for constrained decoding, read at the first request that needs it.
+    grammar_vocab: Option<Arc<GrammarVocab>>,
 }
 
 impl Engine {
@@ -166,7 +172,7 @@ impl Engine {
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
         let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
-        Ok(Engine { model, front, cached: Vec::new(), default_seed: None, report })
+        Ok(Engine { model, front, cached: Vec::new(), default_seed: None, report, grammar_vocab: None })
     }
 
     /// The tokenizer, template and limits, shared: usable while the engine runs a request.
@@ -226,6 +232,16 @@ impl Engine {
             seed: self.default_seed,
             ..base
         }
+    }
+
+    /// The vocabulary for constrained decoding, read once.
+    fn grammar_vocab(&mut self) -> Result<Arc<GrammarVocab>> {
+        if let Some(v) = &self.grammar_vocab {
+            return Ok(v.clone());
+        }
+        let vocab = Arc::new(GrammarVocab::new(self.front.tokenizer()?, self.config().vocab_size, self.eos_ids())?);
+        self.grammar_vocab = Some(vocab.clone());
+        Ok(vocab)
     }
 
     /// End-of-sequence ids: generation_config.json's, else config.json's.
@@ -311,6 +327,14 @@ impl Engine {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
         req.sampling.validate().map_err(Error::InvalidRequest)?;
+        let vocab = self.config().vocab_size;
+        if let Some((id, _)) = req.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            return Err(Error::InvalidRequest(format!("logit_bias names token {id}, outside the vocabulary of {vocab}")));
+        }
+        let mut constraint = match &req.grammar {
+            Some(spec) => Some(self.grammar_vocab()?.constraint(spec)?),
+            None => None,
+        };
         let ctx_size = self.ctx_size();
         let max_tokens = match req.max_tokens {
             Some(n) => n,
@@ -333,9 +357,10 @@ impl Engine {
         self.cached.truncate(reuse);
         let t0 = Instant::now();
         // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
-        // the k best logits from there; anything else samples from every logit on the host.
-        let greedy = sampler.is_plain_greedy();
-        let top_k = sampler.device_top_k();
+        // the k best logits from there; anything else (a grammar too) samples from every logit on
+        // the host.
+        let greedy = sampler.is_plain_greedy() && constraint.is_none();
+        let top_k = sampler.device_top_k().filter(|_| constraint.is_none());
         let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| {
             if greedy {
                 return model.forward_greedy(tokens, pos, sampler.vocab_limit());
@@ -345,7 +370,13 @@ impl Engine {
                 return Ok(sampler.sample_top_k(best));
             }
             let mut logits = model.forward(tokens, pos)?;
-            Ok(sampler.sample(&mut logits, history, prompt.len()))
+            let Some(c) = constraint.as_mut() else {
+                return Ok(sampler.sample(&mut logits, history, prompt.len()));
+            };
+            c.mask(&mut logits)?;
+            let token = sampler.sample(&mut logits, history, prompt.len());
+            c.accept(token)?;
+            Ok(token)
         };
         let mut history = prompt.clone();
         // A failed step may leave the cache (recurrent states above all) part-written: forget it.

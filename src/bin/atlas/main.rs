@@ -230,6 +230,7 @@ impl GenArgs {
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
             seed: self.seed,
+            ..d
         }
     }
 
@@ -255,6 +256,7 @@ fn answer(engine: &mut Engine, gen: &GenArgs, messages: &[Value]) -> Result<Stri
         sampling: gen.sampling(engine),
         stop: gen.stop.clone(),
         ignore_eos: false,
+        grammar: None,
     };
     let mut stdout = std::io::stdout();
     let out = engine.generate(&req, &mut |piece| {
@@ -329,6 +331,7 @@ fn run(cli: Cli) -> Result<()> {
                 sampling: SamplingParams::default(),
                 stop: Vec::new(),
                 ignore_eos: true,
+                grammar: None,
             };
             let out = engine.generate_raw(&req)?;
             println!("{}", json!({ "tokens": out.tokens }));

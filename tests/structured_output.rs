@@ -1,0 +1,213 @@
+//! Constrained decoding end to end on a random-weight model (tests/fixtures/models/chat_tiny), so
+//! that only the constraint can make an answer valid: JSON schemas, any JSON object, Lark
+//! grammars, logit_bias, and the errors a bad schema gets.
+
+use atlas::api::{chat_completion, ChatRequest};
+use atlas::sampling::SamplingParams;
+use atlas::{Engine, EngineOptions, Error, GenerateRequest};
+use serde_json::{json, Value};
+
+fn engine() -> Engine {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/chat_tiny");
+    Engine::load(&EngineOptions::new(dir), &mut |_| {}).unwrap()
+}
+
+/// One chat completion's answer text.
+fn answer(engine: &mut Engine, extra: Value) -> Result<(String, String), Error> {
+    let mut req = json!({"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 600});
+    for (k, v) in extra.as_object().unwrap() {
+        req[k] = v.clone();
+    }
+    let response = chat_completion(engine, &ChatRequest::from_json(&req)?, &mut |_| true)?;
+    let choice = &response["choices"][0];
+    let text = choice["message"]["content"].as_str().unwrap_or_default().to_string();
+    Ok((text, choice["finish_reason"].as_str().unwrap_or_default().to_string()))
+}
+
+/// Whether `v` satisfies `schema`, for the keywords these tests use (type, properties, required,
+/// additionalProperties false, enum, const, minimum/maximum, minLength/maxLength, pattern-free
+/// strings, items, minItems/maxItems, anyOf).
+fn valid(v: &Value, schema: &Value) -> Result<(), String> {
+    let fail = |why: &str| Err(format!("{v} against {schema}: {why}"));
+    if let Some(options) = schema.get("anyOf").and_then(Value::as_array) {
+        return if options.iter().any(|s| valid(v, s).is_ok()) { Ok(()) } else { fail("no anyOf branch") };
+    }
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        if !values.contains(v) {
+            return fail("not in enum");
+        }
+    }
+    if let Some(c) = schema.get("const") {
+        if c != v {
+            return fail("not the const");
+        }
+    }
+    let ty = schema.get("type").and_then(Value::as_str);
+    let ok_type = match ty {
+        None => true,
+        Some("object") => v.is_object(),
+        Some("array") => v.is_array(),
+        Some("string") => v.is_string(),
+        Some("integer") => v.is_i64() || v.is_u64(),
+        Some("number") => v.is_number(),
+        Some("boolean") => v.is_boolean(),
+        Some("null") => v.is_null(),
+        Some(other) => return fail(&format!("type {other} unknown to the test")),
+    };
+    if !ok_type {
+        return fail("wrong type");
+    }
+    let num = |k: &str| schema.get(k).and_then(Value::as_f64);
+    if let Some(x) = v.as_f64() {
+        if num("minimum").is_some_and(|m| x < m) || num("maximum").is_some_and(|m| x > m) {
+            return fail("out of bounds");
+        }
+    }
+    if let Some(s) = v.as_str() {
+        let n = s.chars().count() as f64;
+        if num("minLength").is_some_and(|m| n < m) || num("maxLength").is_some_and(|m| n > m) {
+            return fail("length out of bounds");
+        }
+    }
+    if let Some(items) = v.as_array() {
+        let n = items.len() as f64;
+        if num("minItems").is_some_and(|m| n < m) || num("maxItems").is_some_and(|m| n > m) {
+            return fail("item count out of bounds");
+        }
+        if let Some(item_schema) = schema.get("items") {
+            items.iter().try_for_each(|item| valid(item, item_schema))?;
+        }
+    }
+    if let Some(obj) = v.as_object() {
+        let props = schema.get("properties").and_then(Value::as_object);
+        for key in schema.get("required").and_then(Value::as_array).into_iter().flatten() {
+            if !obj.contains_key(key.as_str().unwrap_or_default()) {
+                return fail(&format!("missing required {key}"));
+            }
+        }
+        for (key, value) in obj {
+            match props.and_then(|p| p.get(key)) {
+                Some(s) => valid(value, s)?,
+                None if schema.get("additionalProperties") == Some(&json!(false)) => return fail(&format!("extra key {key}")),
+                None => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+fn object(props: Value, required: &[&str]) -> Value {
+    json!({"type": "object", "properties": props, "required": required, "additionalProperties": false})
+}
+
+/// Twenty schemas: nested objects, arrays, enums, bounded numbers, required and optional keys.
+fn schemas() -> Vec<Value> {
+    let short = json!({"type": "string", "maxLength": 8});
+    let small = json!({"type": "integer", "minimum": -50, "maximum": 50});
+    vec![
+        object(json!({"name": short}), &["name"]),
+        object(json!({"age": small}), &["age"]),
+        object(json!({"ok": {"type": "boolean"}}), &["ok"]),
+        object(json!({"color": {"enum": ["red", "green", "blue"]}}), &["color"]),
+        object(json!({"name": short, "age": small}), &["name", "age"]),
+        object(json!({"name": short, "nick": short}), &["name"]),
+        object(json!({"tags": {"type": "array", "items": short, "maxItems": 3}}), &["tags"]),
+        object(json!({"tags": {"type": "array", "items": small, "minItems": 1, "maxItems": 4}}), &["tags"]),
+        object(json!({"point": object(json!({"x": small, "y": small}), &["x", "y"])}), &["point"]),
+        object(json!({"user": object(json!({"name": short, "admin": {"type": "boolean"}}), &["name"])}), &["user"]),
+        object(json!({"score": {"type": "number", "minimum": 0, "maximum": 1}}), &["score"]),
+        object(json!({"level": {"type": "integer", "minimum": 1, "maximum": 5}}), &["level"]),
+        object(json!({"unit": {"const": "kg"}, "value": small}), &["unit", "value"]),
+        object(json!({"id": {"anyOf": [small, short]}}), &["id"]),
+        object(json!({"maybe": {"anyOf": [short, {"type": "null"}]}}), &["maybe"]),
+        object(json!({"rows": {"type": "array", "maxItems": 2, "items": object(json!({"k": short, "v": small}), &["k", "v"])}}), &["rows"]),
+        object(json!({"code": {"type": "string", "minLength": 2, "maxLength": 4}}), &["code"]),
+        object(json!({"a": {"enum": [1, 2, 3]}, "b": {"enum": ["x", "y"]}, "c": {"type": "boolean"}}), &["a", "b", "c"]),
+        object(json!({"deep": object(json!({"deeper": object(json!({"leaf": small}), &["leaf"])}), &["deeper"])}), &["deep"]),
+        json!({"type": "array", "items": {"enum": ["up", "down"]}, "minItems": 1, "maxItems": 5}),
+    ]
+}
+
+#[test]
+fn json_schema_answers_always_validate() {
+    let mut engine = engine();
+    for (i, schema) in schemas().into_iter().enumerate() {
+        let format = json!({"type": "json_schema", "json_schema": {"name": format!("s{i}"), "schema": schema, "strict": true}});
+        // Sampled (seeded) and greedy: the random weights alone would write neither.
+        for sampling in [json!({"temperature": 1.0, "seed": i}), json!({"temperature": 0.0})] {
+            let mut extra = json!({"response_format": format});
+            extra.as_object_mut().unwrap().extend(sampling.as_object().unwrap().clone());
+            let (text, finish) = answer(&mut engine, extra).unwrap();
+            assert_eq!(finish, "stop", "schema {i}: the answer did not end: {text:?}");
+            let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("schema {i}: {text:?} is not JSON: {e}"));
+            valid(&value, &schema).unwrap_or_else(|e| panic!("schema {i}: {e}"));
+        }
+    }
+    // Without a constraint the same model writes no JSON.
+    let (free, _) = answer(&mut engine, json!({"temperature": 1.0, "seed": 1, "max_tokens": 40})).unwrap();
+    assert!(serde_json::from_str::<Value>(&free).is_err(), "the random model wrote JSON on its own: {free:?}");
+}
+
+#[test]
+fn json_object_and_lark_grammars_constrain_the_answer() {
+    let mut engine = engine();
+    // Any object may nest without end, so an answer may run out of tokens; every finished one parses.
+    let mut finished = 0;
+    for seed in 0..5 {
+        let (text, finish) = answer(&mut engine, json!({"response_format": {"type": "json_object"}, "temperature": 0.7, "seed": seed})).unwrap();
+        if finish == "stop" {
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert!(v.is_object(), "{text:?}");
+            finished += 1;
+        }
+    }
+    assert!(finished >= 3, "{finished} of 5 json_object answers ended");
+    let grammar = r#"start: ("yes" | "no") " " NUM
+NUM: /[0-9]{1,3}/"#;
+    for seed in 0..5 {
+        let (text, finish) = answer(&mut engine, json!({"grammar": grammar, "temperature": 1.0, "seed": seed})).unwrap();
+        assert_eq!(finish, "stop");
+        let (word, num) = text.split_once(' ').unwrap_or_else(|| panic!("{text:?}"));
+        assert!(["yes", "no"].contains(&word) && (1..=3).contains(&num.len()) && num.bytes().all(|b| b.is_ascii_digit()), "{text:?}");
+    }
+}
+
+#[test]
+fn bad_schemas_and_grammars_are_invalid_requests_and_the_model_stays_usable() {
+    let mut engine = engine();
+    for extra in [
+        json!({"grammar": "start: undefined_rule"}),
+        json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]}}}}),
+        json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}),
+    ] {
+        let err = answer(&mut engine, extra.clone()).unwrap_err();
+        assert!(matches!(err, Error::InvalidRequest(_)), "{extra}: {err}");
+    }
+    let err = answer(&mut engine, json!({"logit_bias": {"100000": 1}})).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    let schema = object(json!({"ok": {"type": "boolean"}}), &["ok"]);
+    let (text, finish) = answer(&mut engine, json!({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})).unwrap();
+    assert_eq!(finish, "stop");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(v == json!({"ok": true}) || v == json!({"ok": false}), "{text:?}");
+    // Whitespace between JSON tokens comes in bounded runs (this random model loves newlines).
+    let longest = text.split(|c: char| !c.is_whitespace()).map(str::len).max().unwrap_or(0);
+    assert!(longest <= atlas::grammar::JSON_WHITESPACE_RUN, "{text:?}");
+}
+
+#[test]
+fn logit_bias_steers_and_bans_tokens() {
+    let mut engine = engine();
+    let id = |engine: &Engine, text: &str| engine.tokenizer().unwrap().encode(text).unwrap()[0];
+    // A bias of 100 makes "a" the only choice; -100 removes the greedy choice.
+    let a = id(&engine, "a");
+    let (text, _) = answer(&mut engine, json!({"logit_bias": {a.to_string(): 100}, "max_tokens": 8, "temperature": 1.0, "seed": 3})).unwrap();
+    assert_eq!(text, "aaaaaaaa");
+    // Greedy ids straight from the engine: banning the first one changes the first choice.
+    let prompt = engine.tokenizer().unwrap().encode("hello").unwrap();
+    let mut req = GenerateRequest { prompt, max_tokens: Some(4), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None };
+    let plain = engine.generate(&req, &mut |_| true).unwrap().tokens;
+    req.sampling.logit_bias = vec![(plain[0], -100.0)];
+    let banned = engine.generate(&req, &mut |_| true).unwrap().tokens;
+    assert_ne!(banned[0], plain[0]);
+}
