@@ -82,8 +82,8 @@ impl GrammarVocab {
     /// invalid request naming the problem.
     pub fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint> {
         let grammar = match spec {
-            GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(bounded_whitespace(serde_json::json!({"type": "object"}))),
-            GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(bounded_whitespace(schema.clone())),
+            GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(bounded_whitespace(serde_json::json!({"type": "object"}), JSON_WHITESPACE_RUN)),
+            GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(bounded_whitespace(schema.clone(), JSON_WHITESPACE_RUN)),
             GrammarSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
         };
         let what = match spec {
@@ -142,10 +142,11 @@ impl Constraint {
 /// options (llguidance's) replace this.
 pub const JSON_WHITESPACE_RUN: usize = 32;
 
-fn bounded_whitespace(mut schema: Value) -> Value {
+/// `schema` with at most `run` whitespace characters between two JSON tokens, unless it says
+/// otherwise (`x-guidance`).
+pub fn bounded_whitespace(mut schema: Value, run: usize) -> Value {
     if let Some(obj) = schema.as_object_mut() {
-        obj.entry("x-guidance")
-            .or_insert_with(|| serde_json::json!({"whitespace_pattern": format!("[\\x20\\x0A\\x0D\\x09]{{1,{JSON_WHITESPACE_RUN}}}")}));
+        obj.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_pattern": format!("[\\x20\\x0A\\x0D\\x09]{{1,{run}}}")}));
     }
     schema
 }

@@ -211,3 +211,61 @@ fn logit_bias_steers_and_bans_tokens() {
     let banned = engine.generate(&req, &mut |_| true).unwrap().tokens;
     assert_ne!(banned[0], plain[0]);
 }
+
+/// A tool-aware template in the style of Qwen3's (JSON calls) or Qwen3.5's (XML calls: its
+/// instructions show `<function=`, which is how Atlas tells the formats apart).
+fn template(xml: bool) -> String {
+    let how = if xml { "<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>" } else { "<tool_call>\n{\"name\": NAME, \"arguments\": ARGS}\n</tool_call>" };
+    format!(
+        "{{%- if tools %}}<|im_start|>system\nTools: {{% for t in tools %}}{{{{ t | tojson }}}}{{% endfor %}}\nCall them as {how}<|im_end|>\n{{% endif %}}\
+         {{%- for m in messages %}}<|im_start|>{{{{ m.role }}}}\n{{{{ m.content }}}}<|im_end|>\n{{% endfor %}}\
+         {{%- if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}"
+    )
+}
+
+#[test]
+fn forced_and_strict_tool_calls_follow_the_parameters_schema_in_both_formats() {
+    use atlas::api::{prepare_chat, run_chat};
+    use atlas::chat::ChatTemplate;
+    use atlas::engine::Frontend;
+    let mut engine = engine();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/chat_tiny");
+    let tokenizer = atlas::tokenizer::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let parameters = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "strict": true, "parameters": parameters}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"], "additionalProperties": false}}}]);
+    for xml in [false, true] {
+        let chat_template = ChatTemplate::new(&template(xml), None, Some("<|im_end|>".into())).unwrap();
+        let front = Frontend::new("chat_tiny".into(), Some(tokenizer.clone()), Some(chat_template), engine.frontend().defaults().clone(), 1024);
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        for (choice, seed) in [(json!("required"), 1), (json!("required"), 2), (named.clone(), 3), (named, 4)] {
+            let what = format!("{} tool_choice {choice} seed {seed}", if xml { "xml" } else { "json" });
+            let req = json!({"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": tools, "tool_choice": choice,
+                             "parallel_tool_calls": false, "temperature": 1.0, "seed": seed, "max_tokens": 300});
+            let prepared = prepare_chat(&front, ChatRequest::from_json(&req).unwrap()).unwrap();
+            let response = run_chat(&mut engine, prepared, &mut |_| true).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let choice0 = &response["choices"][0];
+            assert_eq!(choice0["finish_reason"], "tool_calls", "{what}: {response}");
+            let call = &choice0["message"]["tool_calls"][0]["function"];
+            let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+            let schema = if call["name"] == "get_weather" { &parameters } else { &tools[1]["function"]["parameters"] };
+            valid(&args, schema).unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+        // "auto" with a strict function: free text, and any call it makes is held to the schema.
+        let req = json!({"messages": [{"role": "user", "content": "Hi"}], "tools": tools, "max_tokens": 30, "temperature": 1.0, "seed": 9});
+        let prepared = prepare_chat(&front, ChatRequest::from_json(&req).unwrap()).unwrap();
+        let response = run_chat(&mut engine, prepared, &mut |_| true).unwrap();
+        for call in response["choices"][0]["message"]["tool_calls"].as_array().into_iter().flatten() {
+            let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            if call["function"]["name"] == "get_weather" {
+                valid(&args, &parameters).unwrap();
+            }
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //! generating, and the final `chat.completion` (with usage and llama.cpp-style timings).
 
 pub mod request;
+mod tool_grammar;
 
 use serde_json::{json, Map, Value};
 
@@ -9,6 +10,7 @@ pub use request::{ChatRequest, SamplingOverrides, ToolChoice};
 
 use crate::chat::output::{Delta, OutputParser};
 use crate::engine::{Engine, FinishReason, Frontend, GenerateRequest};
+use crate::grammar::GrammarSpec;
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
@@ -34,7 +36,7 @@ impl PreparedChat {
 
 /// Renders the conversation with the model's template and tokenizes it. A prompt that cannot fit
 /// the context (with room for `max_tokens`, or one token) is refused here.
-pub fn prepare_chat(front: &Frontend, request: ChatRequest) -> Result<PreparedChat> {
+pub fn prepare_chat(front: &Frontend, mut request: ChatRequest) -> Result<PreparedChat> {
     let use_tools = request.tools.is_some() && request.tool_choice != ToolChoice::None;
     let tools = request.tools.as_ref().filter(|_| use_tools);
     let mut prompt = front.template()?.render(&request.messages, tools, true, &request.template_kwargs)?;
@@ -48,6 +50,15 @@ pub fn prepare_chat(front: &Frontend, request: ChatRequest) -> Result<PreparedCh
         prompt.push_str("<tool_call>");
         prompt.push_str(&forced);
         parser.start_in_tool_call(&forced);
+    }
+    // A forced call's arguments always follow its schema; other calls when a function is strict
+    // (unless a response_format already constrains the answer).
+    let forced = matches!(request.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
+    if let Some(t) = tools.filter(|_| forced || request.grammar.is_none()) {
+        let xml = prompt.contains("<function=");
+        if let Some(g) = tool_grammar::tool_call_grammar(&request.tool_choice, t, xml, request.parallel_tool_calls) {
+            request.grammar = Some(GrammarSpec::Lark(g));
+        }
     }
     let tokens = front.encode_prompt(&prompt, request.max_tokens.unwrap_or(1))?;
     let model = request.model.clone().unwrap_or_else(|| front.model_name());
