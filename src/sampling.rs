@@ -228,6 +228,27 @@ pub fn top_k(logits: &[f32], k: usize, limit: usize) -> Vec<(u32, f32)> {
     cands
 }
 
+/// The chosen token's log-probability and the `top` most likely tokens' (largest first, ties by
+/// id), over the first `limit` logits: log-softmax in f64.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    pub fn new(logits: &[f32], limit: usize, token: u32, top: usize) -> Self {
+        let logits = &logits[..limit.min(logits.len())];
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
+        let log_total = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+        let logprob = |l: f32| (l as f64 - log_total) as f32;
+        let chosen = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob(l));
+        let top = if top == 0 { Vec::new() } else { top_k(logits, top, logits.len()) };
+        TokenLogprob { token, logprob: chosen, top: top.into_iter().map(|(id, l)| (id, logprob(l))).collect() }
+    }
+}
+
 /// Index of the largest logit; the lowest index wins a tie, as torch.argmax does.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -378,6 +399,17 @@ mod tests {
             assert_ne!(s.sample(&mut base.clone(), &[], 0), 0);
         }
         assert!(SamplingParams { logit_bias: vec![(1, 100.5)], ..Default::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax() {
+        let l = [1.0f32, 3.0, 2.0, f32::NEG_INFINITY, 9.0];
+        let lp = TokenLogprob::new(&l, 4, 2, 2);
+        let total = (1f64.exp() + 3f64.exp() + 2f64.exp()).ln();
+        assert!((lp.logprob as f64 - (2.0 - total)).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((lp.top[0].1 as f64 - (3.0 - total)).abs() < 1e-6);
+        assert_eq!(TokenLogprob::new(&l, 4, 3, 0).logprob, f32::NEG_INFINITY);
     }
 
     #[test]

@@ -80,7 +80,7 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn greedy(max_tokens: usize, prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None }
+    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None }
 }
 
 #[test]

@@ -56,6 +56,7 @@ fn greedy_answers_match_the_goldens() {
             stop: vec![],
             ignore_eos: false,
             grammar: None,
+            logprobs: None,
         };
         let out = e.generate(&req, &mut |_| true).unwrap();
         assert_eq!(out.text, a["text"].as_str().unwrap(), "answer to {}", a["prompt"]);

@@ -344,6 +344,7 @@ fn fixture_models_match_the_cpu() {
             stop: vec![],
             ignore_eos: true,
             grammar: None,
+            logprobs: None,
         };
         // Decode steps after the first are replays of a recorded graph: same tokens as transformers.
         let gen = on_gpu.generate_raw(&req).unwrap();
@@ -373,7 +374,7 @@ fn top_k_sampling_on_the_device_is_reproducible() {
     let prompt: Vec<u32> = golden["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let mut engine = Engine::load(&EngineOptions { device: Device::Cuda, ..EngineOptions::new(fixture("qwen3_tied")) }, &mut |_| {}).unwrap();
     let sampling = atlas::sampling::SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.95, seed: Some(7), ..Default::default() };
-    let req = GenerateRequest { prompt, max_tokens: Some(24), sampling, stop: vec![], ignore_eos: true, grammar: None };
+    let req = GenerateRequest { prompt, max_tokens: Some(24), sampling, stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
     // Steps after the first replay the recorded graph, then select the candidates on the device.
     let first = engine.generate_raw(&req).unwrap().tokens;
     assert_eq!(first.len(), 24);
@@ -654,11 +655,11 @@ fn hybrid_fixture_models_match_the_goldens_and_the_cpu() {
 
         // Greedy decoding (steps after the first replay a recorded graph): the CPU's tokens.
         for prompt in [&short, &long] {
-            let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None };
+            let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
             let want = on_cpu.generate_raw(&req).unwrap().tokens;
             assert_eq!(on_gpu.generate_raw(&req).unwrap().tokens, want, "{name}: greedy tokens on the GPU, {} prompt tokens", prompt.len());
         }
-        let req = GenerateRequest { prompt: short.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None };
+        let req = GenerateRequest { prompt: short.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
         let gen = on_gpu.generate_raw(&req).unwrap();
         assert_eq!(gen.tokens, ids(&golden, "greedy"), "{name}: greedy tokens on the GPU");
         // The same prompt again starts the recurrent states afresh (new caches, so a new recording).
@@ -922,7 +923,7 @@ fn moe_fixture_models_match_the_golden_and_the_cpu() {
         // Greedy decoding (one-token expert GEMVs, the experts chosen on the device in replayed
         // steps): the CPU's tokens, from a prefilled prompt or one fed token by token.
         let prompt = ids(&golden, "tokens");
-        let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None };
+        let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
         let want = on_cpu.generate_raw(&req).unwrap().tokens;
         let got = if prefill {
             on_gpu.generate_raw(&req).unwrap().tokens

@@ -1,6 +1,6 @@
-//! Constrained decoding end to end on a random-weight model (tests/fixtures/models/chat_tiny), so
-//! that only the constraint can make an answer valid: JSON schemas, any JSON object, Lark
-//! grammars, logit_bias, and the errors a bad schema gets.
+//! The OpenAI sampling surface end to end on a random-weight model (tests/fixtures/models/chat_tiny),
+//! so that only the constraint can make an answer valid: JSON schemas, any JSON object, Lark
+//! grammars, tool calls held to their schemas, logit_bias, logprobs, and the errors of bad input.
 
 use atlas::api::{chat_completion, ChatRequest};
 use atlas::sampling::SamplingParams;
@@ -205,7 +205,7 @@ fn logit_bias_steers_and_bans_tokens() {
     assert_eq!(text, "aaaaaaaa");
     // Greedy ids straight from the engine: banning the first one changes the first choice.
     let prompt = engine.tokenizer().unwrap().encode("hello").unwrap();
-    let mut req = GenerateRequest { prompt, max_tokens: Some(4), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None };
+    let mut req = GenerateRequest { prompt, max_tokens: Some(4), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
     let plain = engine.generate(&req, &mut |_| true).unwrap().tokens;
     req.sampling.logit_bias = vec![(plain[0], -100.0)];
     let banned = engine.generate(&req, &mut |_| true).unwrap().tokens;
@@ -268,4 +268,54 @@ fn forced_and_strict_tool_calls_follow_the_parameters_schema_in_both_formats() {
             }
         }
     }
+}
+
+#[test]
+fn logprobs_are_the_log_softmax_of_the_logits() {
+    let mut engine = engine();
+    let prompt = engine.tokenizer().unwrap().encode("The logprobs").unwrap();
+    let limit = engine.tokenizer().unwrap().vocab_size();
+    for temperature in [0.0, 0.9] {
+        let sampling = SamplingParams { temperature, seed: Some(5), ..Default::default() };
+        let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(6), sampling, stop: vec![], ignore_eos: true, grammar: None, logprobs: Some(5) };
+        let generation = engine.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(generation.logprobs.len(), generation.tokens.len());
+        let mut seq = prompt.clone();
+        for (lp, &token) in generation.logprobs.iter().zip(&generation.tokens) {
+            let logits = engine.logits(&seq).unwrap();
+            let logits = &logits[..limit];
+            let max = logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l as f64));
+            let log_total = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+            assert_eq!(lp.token, token);
+            assert!((lp.logprob as f64 - (logits[token as usize] as f64 - log_total)).abs() < 1e-4, "{lp:?}");
+            assert_eq!(lp.top.len(), 5);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "top_logprobs out of order: {lp:?}");
+            for &(id, l) in &lp.top {
+                assert!((l as f64 - (logits[id as usize] as f64 - log_total)).abs() < 1e-4);
+            }
+            if temperature == 0.0 {
+                assert_eq!(lp.top[0].0, token, "greedy takes the most likely token");
+            }
+            seq.push(token);
+        }
+    }
+    // Through the API: one entry per token, top_logprobs in order, streamed in a chunk of its own.
+    let mut chunks = Vec::new();
+    let req = json!({"messages": [{"role": "user", "content": "Hi"}], "logprobs": true, "top_logprobs": 3,
+                     "max_tokens": 4, "temperature": 0.0, "stream": true});
+    let response = chat_completion(&mut engine, &ChatRequest::from_json(&req).unwrap(), &mut |c| {
+        chunks.push(c.to_string());
+        true
+    })
+    .unwrap();
+    let content = response["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, response["usage"]["completion_tokens"].as_u64().unwrap());
+    for entry in content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(entry["logprob"], top[0]["logprob"], "greedy: {entry}");
+        assert!(entry["bytes"].is_array());
+    }
+    let streamed = chunks.iter().filter(|c| c.contains("\"logprobs\"")).count();
+    assert_eq!(streamed, 1, "{chunks:?}");
 }

@@ -54,7 +54,7 @@ fn rewrite_then_delete(dir: &Path) {
 }
 
 fn greedy(prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens: Some(4), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None }
+    GenerateRequest { prompt, max_tokens: Some(4), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None }
 }
 
 #[test]

@@ -11,7 +11,7 @@ pub use request::{ChatRequest, SamplingOverrides, ToolChoice};
 use crate::chat::output::{Delta, OutputParser};
 use crate::engine::{Engine, FinishReason, Frontend, GenerateRequest};
 use crate::grammar::GrammarSpec;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::{Error, Result};
 
 /// Receives each streamed chunk as JSON text; returns false to cancel the request.
@@ -95,6 +95,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         stop: request.stop.clone(),
         ignore_eos: false,
         grammar: request.grammar.clone(),
+        logprobs: request.logprobs,
     };
 
     let mut answer = Answer::default();
@@ -143,6 +144,13 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         "predicted_per_token_ms": generation.decode_ms / predicted_n.max(1) as f64,
         "predicted_per_second": per_second(predicted_n, generation.decode_ms),
     });
+    let logprobs = match request.logprobs {
+        Some(_) => Some(json!({"content": logprob_entries(engine, &generation.logprobs)?})),
+        None => None,
+    };
+    if let Some(lp) = &logprobs {
+        stream.send_logprobs(lp)?;
+    }
     stream.send_final(finish_reason, &timings)?;
     if request.include_usage {
         stream.send_usage(&usage)?;
@@ -163,7 +171,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         "object": "chat.completion",
         "created": stream.created,
         "model": stream.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage,
         "timings": timings,
     }))
@@ -197,6 +205,27 @@ pub fn random_id(prefix: &str) -> String {
         id.push_str(&format!("{b:02x}"));
     }
     id
+}
+
+/// OpenAI's `logprobs.content`: per token its text, log-probability, UTF-8 bytes and the top
+/// alternatives. A token that is part of a character decodes to U+FFFD (its bytes too).
+fn logprob_entries(engine: &Engine, logprobs: &[TokenLogprob]) -> Result<Vec<Value>> {
+    let tok = engine.tokenizer()?;
+    let entry = |id: u32, logprob: f32| -> Result<Value> {
+        let text = tok.decode(&[id], false)?;
+        // -inf (a token the grammar excluded) has no JSON number: the smallest f32 stands for it.
+        let lp = if logprob.is_finite() { logprob } else { f32::MIN };
+        Ok(json!({"token": text, "logprob": lp, "bytes": text.as_bytes()}))
+    };
+    logprobs
+        .iter()
+        .map(|t| {
+            let mut e = entry(t.token, t.logprob)?;
+            let top = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect::<Result<Vec<_>>>()?;
+            e["top_logprobs"] = Value::Array(top);
+            Ok(e)
+        })
+        .collect()
 }
 
 fn per_second(n: usize, ms: f64) -> f64 {
@@ -303,6 +332,12 @@ impl Stream<'_> {
 
     fn send(&mut self, delta: Value, finish_reason: Option<&str>) -> Result<()> {
         let c = self.chunk(json!([{"index": 0, "delta": delta, "finish_reason": finish_reason}]));
+        self.emit(c)
+    }
+
+    /// The answer's log-probabilities, all in one chunk before the final one.
+    fn send_logprobs(&mut self, logprobs: &Value) -> Result<()> {
+        let c = self.chunk(json!([{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": null}]));
         self.emit(c)
     }
 

@@ -48,7 +48,12 @@ pub struct ChatRequest {
     /// What the answer must parse as: `response_format` (json_object, json_schema) or the
     /// `grammar` extension field (Lark).
     pub grammar: Option<GrammarSpec>,
+    /// `Some(n)` with `logprobs: true`: each token's log-probability and `top_logprobs` (n) alternatives.
+    pub logprobs: Option<usize>,
 }
+
+/// OpenAI's limit on `top_logprobs`.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// Keys accepted without effect: they never change the generated text.
 const INERT_KEYS: [&str; 5] = ["user", "metadata", "store", "service_tier", "prompt_cache_key"];
@@ -81,8 +86,10 @@ impl ChatRequest {
             template_kwargs: Map::new(),
             model: None,
             grammar: None,
+            logprobs: None,
         };
         let mut lark = None;
+        let (mut want_logprobs, mut top_logprobs) = (false, None);
         let mut tool_choice = None;
         let mut reasoning_effort = None;
         for (key, v) in obj {
@@ -115,7 +122,11 @@ impl ChatRequest {
                 "model" => req.model = Some(model_name(v)?),
                 "n" if v.as_u64() == Some(1) => {}
                 "n" => return Err(Error::Unsupported("n other than 1 (one choice per request)".into())),
-                "logprobs" if v.as_bool() == Some(false) => {}
+                "logprobs" => want_logprobs = boolean(key, v)?,
+                "top_logprobs" => match v.as_u64() {
+                    Some(n) if n as usize <= MAX_TOP_LOGPROBS => top_logprobs = Some(n as usize),
+                    _ => return Err(bad(&format!("top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}"))),
+                },
                 "logit_bias" => s.logit_bias = logit_bias(v)?,
                 "response_format" => req.grammar = response_format(v)?,
                 "grammar" => lark = Some(v.as_str().ok_or_else(|| bad("grammar must be a string (a Lark grammar)"))?),
@@ -128,6 +139,11 @@ impl ChatRequest {
         if req.messages.is_null() {
             return Err(bad("messages is required"));
         }
+        req.logprobs = match (want_logprobs, top_logprobs) {
+            (true, n) => Some(n.unwrap_or(0)),
+            (false, Some(_)) => return Err(bad("top_logprobs needs logprobs: true")),
+            (false, None) => None,
+        };
         if let Some(text) = lark {
             if req.grammar.is_some() {
                 return Err(bad("grammar and a JSON response_format exclude each other"));
@@ -437,7 +453,6 @@ mod tests {
         let m = json!([{"role": "user", "content": "hi"}]);
         for (field, value) in [
             ("n", json!(2)),
-            ("logprobs", json!(true)),
             ("modalities", json!(["text", "audio"])),
             ("frobnicate", json!(1)),
         ] {
@@ -465,6 +480,10 @@ mod tests {
         }
         let r = parse(json!({"messages": m, "grammar": "start: \"yes\" | \"no\""})).unwrap();
         assert_eq!(r.grammar, Some(GrammarSpec::Lark("start: \"yes\" | \"no\"".into())));
+        let r = parse(json!({"messages": m, "logprobs": true, "top_logprobs": 5})).unwrap();
+        assert_eq!(r.logprobs, Some(5));
+        assert_eq!(parse(json!({"messages": m, "logprobs": true})).unwrap().logprobs, Some(0));
+        assert_eq!(parse(json!({"messages": m, "logprobs": false})).unwrap().logprobs, None);
         let r = parse(json!({"messages": m, "logit_bias": {"15": -100, "7": 2.5}})).unwrap();
         assert_eq!(r.sampling.logit_bias, vec![(15, -100.0), (7, 2.5)]);
         for (field, value, why) in [
@@ -474,6 +493,7 @@ mod tests {
             ("response_format", json!({"type": "yaml"}), "yaml"),
             ("response_format", json!({"type": "json_schema", "json_schema": {"schema": "x"}}), "must be a JSON schema"),
             ("grammar", json!(5), "Lark"),
+            ("top_logprobs", json!(21), "0 to 20"),
         ] {
             let err = parse(json!({"messages": m, field: value})).unwrap_err();
             assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains(why), "{field}: {err}");

@@ -20,7 +20,7 @@ use crate::grammar::{GrammarSpec, GrammarVocab};
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
 use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
 
@@ -90,6 +90,8 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// What the output must parse as (masks the logits before every choice).
     pub grammar: Option<GrammarSpec>,
+    /// `Some(n)`: each new token's log-probability and the n most likely alternatives'.
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -109,6 +111,9 @@ pub struct Generation {
     pub cached_tokens: usize,
     pub prompt_ms: f64,
     pub decode_ms: f64,
+    /// One per token of `tokens` when the request asked for them: log-softmax of the model's
+    /// logits (after a grammar's mask; before biases, penalties, temperature and truncation).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 pub struct Engine {
@@ -359,8 +364,10 @@ impl Engine {
         // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
         // the k best logits from there; anything else (a grammar too) samples from every logit on
         // the host.
-        let greedy = sampler.is_plain_greedy() && constraint.is_none();
-        let top_k = sampler.device_top_k().filter(|_| constraint.is_none());
+        let on_host = constraint.is_some() || req.logprobs.is_some();
+        let greedy = sampler.is_plain_greedy() && !on_host;
+        let top_k = sampler.device_top_k().filter(|_| !on_host);
+        let mut logprobs = Vec::new();
         let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| {
             if greedy {
                 return model.forward_greedy(tokens, pos, sampler.vocab_limit());
@@ -370,12 +377,17 @@ impl Engine {
                 return Ok(sampler.sample_top_k(best));
             }
             let mut logits = model.forward(tokens, pos)?;
-            let Some(c) = constraint.as_mut() else {
-                return Ok(sampler.sample(&mut logits, history, prompt.len()));
-            };
-            c.mask(&mut logits)?;
+            if let Some(c) = constraint.as_mut() {
+                c.mask(&mut logits)?;
+            }
+            let before = req.logprobs.map(|_| logits.clone());
             let token = sampler.sample(&mut logits, history, prompt.len());
-            c.accept(token)?;
+            if let Some(c) = constraint.as_mut() {
+                c.accept(token)?;
+            }
+            if let (Some(logits), Some(top)) = (before, req.logprobs) {
+                logprobs.push(TokenLogprob::new(&logits, sampler.vocab_limit(), token, top));
+            }
             Ok(token)
         };
         let mut history = prompt.clone();
@@ -393,6 +405,7 @@ impl Engine {
             cached_tokens: reuse,
             prompt_ms,
             decode_ms: 0.0,
+            logprobs: Vec::new(),
         };
         let mut stopped_by_string = false;
         while out.tokens.len() < max_tokens {
@@ -426,6 +439,9 @@ impl Engine {
             }
         }
         out.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        // The last choice may have been an end-of-sequence token, which is not part of the answer.
+        logprobs.truncate(out.tokens.len());
+        out.logprobs = logprobs;
         Ok(out)
     }
 

@@ -11,7 +11,7 @@ pub fn fixture(name: &str) -> PathBuf {
 
 /// `max_tokens` greedy tokens after `prompt`, not stopping at end-of-sequence (as the goldens).
 pub fn greedy(max_tokens: usize, prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None }
+    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None }
 }
 
 /// Largest absolute difference over the largest absolute reference value.

@@ -257,6 +257,7 @@ fn answer(engine: &mut Engine, gen: &GenArgs, messages: &[Value]) -> Result<Stri
         stop: gen.stop.clone(),
         ignore_eos: false,
         grammar: None,
+        logprobs: None,
     };
     let mut stdout = std::io::stdout();
     let out = engine.generate(&req, &mut |piece| {
@@ -332,6 +333,7 @@ fn run(cli: Cli) -> Result<()> {
                 stop: Vec::new(),
                 ignore_eos: true,
                 grammar: None,
+                logprobs: None,
             };
             let out = engine.generate_raw(&req)?;
             println!("{}", json!({ "tokens": out.tokens }));
