@@ -220,6 +220,9 @@ def seeds_chat_request():
                              "required": ["city"], "additionalProperties": False}}}, "logit_bias": {"5": -100, "9": 3.5}},
         "json_object.json": {"messages": msgs, "response_format": {"type": "json_object"}, "modalities": ["text"]},
         "lark.json": {"messages": msgs, "grammar": "start: (\"yes\" | \"no\") \" \" NUM\nNUM: /[0-9]{1,3}/"},
+        # Text completions (the same target runs both endpoints).
+        "completion.json": {"prompt": "Once upon", "max_tokens": 2, "echo": True, "stop": ["\n"], "stream": True},
+        "completion_ids.json": {"prompt": [72, 101, 108], "logprobs": 2, "suffix": None, "best_of": 1},
     }
     for name, r in reqs.items():
         put("chat_request", name, json.dumps(r))

@@ -125,6 +125,20 @@ int32_t atlas_chat_completion(struct AtlasModel *model,
                               char **out_response_json,
                               char **out_error);
 
+// Runs an OpenAI text-completions request (`/v1/completions`: a prompt string or token ids,
+// `echo`, `suffix` for fill-in-the-middle, `logprobs` 0-5), as atlas_chat_completion runs a chat
+// request: text_completion chunks to `on_chunk`, the whole text_completion JSON in
+// `*out_response_json`. A host that must also run with older libraries looks it up with dlsym.
+//
+// # Safety
+// As atlas_chat_completion.
+int32_t atlas_text_completion(struct AtlasModel *model,
+                              const char *request_json,
+                              AtlasChunkCallback on_chunk,
+                              void *user_data,
+                              char **out_response_json,
+                              char **out_error);
+
 // Describes the loaded model as JSON (device, architecture, context size, ...). It never waits
 // for a running request, and may be called from inside on_chunk.
 //

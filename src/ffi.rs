@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use crate::api::{prepare_chat, run_chat, ChatRequest, DEFAULT_MAX_REQUEST_BYTES};
+use crate::api::{prepare, run, Endpoint, DEFAULT_MAX_REQUEST_BYTES};
 use crate::engine::{Device, Engine, EngineOptions};
 use crate::Error;
 use handles::{Loaded, Reentry};
@@ -234,6 +234,41 @@ pub unsafe extern "C" fn atlas_chat_completion(
     out_response_json: *mut *mut c_char,
     out_error: *mut *mut c_char,
 ) -> i32 {
+    completion(Endpoint::Chat, model, request_json, on_chunk, user_data, out_response_json, out_error)
+}
+
+/// Runs an OpenAI text-completions request (`/v1/completions`: a prompt string or token ids,
+/// `echo`, `suffix` for fill-in-the-middle, `logprobs` 0-5), as atlas_chat_completion runs a chat
+/// request: text_completion chunks to `on_chunk`, the whole text_completion JSON in
+/// `*out_response_json`. A host that must also run with older libraries looks it up with dlsym.
+///
+/// # Safety
+/// As atlas_chat_completion.
+#[no_mangle]
+pub unsafe extern "C" fn atlas_text_completion(
+    model: *mut AtlasModel,
+    request_json: *const c_char,
+    on_chunk: AtlasChunkCallback,
+    user_data: *mut c_void,
+    out_response_json: *mut *mut c_char,
+    out_error: *mut *mut c_char,
+) -> i32 {
+    completion(Endpoint::Text, model, request_json, on_chunk, user_data, out_response_json, out_error)
+}
+
+/// The body of both completion calls.
+///
+/// # Safety
+/// As atlas_chat_completion.
+unsafe fn completion(
+    endpoint: Endpoint,
+    model: *mut AtlasModel,
+    request_json: *const c_char,
+    on_chunk: AtlasChunkCallback,
+    user_data: *mut c_void,
+    out_response_json: *mut *mut c_char,
+    out_error: *mut *mut c_char,
+) -> i32 {
     set_out(out_response_json, None);
     guarded(out_error, || {
         let call = handles::Call::enter(model).map_err(|e| failed(e, false))?;
@@ -251,9 +286,8 @@ pub unsafe extern "C" fn atlas_chat_completion(
         }
         let text = str_arg(request_json, "request_json")?;
         let turn = loaded.take_turn();
-        let request = ChatRequest::from_json_str(text).map_err(|e| failed(e, false))?;
-        // Rendering and tokenizing need no engine: done while earlier requests run.
-        let prepared = prepare_chat(&loaded.front, request).map_err(|e| failed(e, false))?;
+        // Parsing, rendering and tokenizing need no engine: done while earlier requests run.
+        let prepared = prepare(&loaded.front, endpoint, text).map_err(|e| failed(e, false))?;
         let mut engine = turn.engine().map_err(|e| failed(e, false))?;
         let mut sink = |chunk: &str| match on_chunk {
             Some(cb) => {
@@ -262,7 +296,7 @@ pub unsafe extern "C" fn atlas_chat_completion(
             }
             None => true,
         };
-        let response = run_chat(engine.get(), prepared, &mut sink).map_err(|e| failed(e, false))?;
+        let response = run(engine.get(), prepared, &mut sink).map_err(|e| failed(e, false))?;
         set_out(out_response_json, Some(&response.to_string()));
         Ok(())
     })

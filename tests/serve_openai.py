@@ -299,12 +299,38 @@ def unknown_endpoint_is_404():
     status, _, text = http("GET", "/v1/nothing")
     assert status == 404, status
     assert json.loads(text)["error"]["type"] == "not_found_error", text
-    try:
-        client.completions.create(model=MODEL, prompt="hi")
-    except openai.NotFoundError as e:
-        assert e.status_code == 404
-    else:
-        raise AssertionError("/v1/completions answered")
+
+
+@test
+def text_completions():
+    r = client.completions.create(model=MODEL, prompt="The sea is", temperature=0, max_tokens=8)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-"), r
+    text = r.choices[0].text
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 8, r
+    # Streamed pieces add up to the whole answer; echo puts the prompt first.
+    pieces = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The sea is", temperature=0, max_tokens=8, stream=True) if c.choices)
+    assert pieces == text, (pieces, text)
+    echoed = client.completions.create(model=MODEL, prompt="The sea is", temperature=0, max_tokens=8, echo=True)
+    assert echoed.choices[0].text == "The sea is" + text, echoed
+    # Token ids as the prompt, logprobs with alternatives.
+    ids = client.completions.create(model=MODEL, prompt=[72, 101, 108], temperature=0, max_tokens=4, logprobs=2)
+    lp = ids.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == ids.usage.completion_tokens, lp
+    assert all(len(t) <= 2 for t in lp.top_logprobs), lp
+    # A JSON schema holds here too.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=60, temperature=1.0, seed=4,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert json.loads(r.choices[0].text)["ok"] in (True, False), r
+    # The chat-only fields and a fill-in-the-middle suffix without FIM tokens are 400s.
+    for extra, code in [(dict(extra_body={"messages": HELLO}), "invalid_request"), (dict(suffix="end"), "unsupported")]:
+        try:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **extra)
+        except openai.BadRequestError as e:
+            check_error(e, 400, code)
+        else:
+            raise AssertionError(f"{extra} was accepted")
 
 
 @test

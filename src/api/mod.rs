@@ -1,11 +1,14 @@
 //! OpenAI chat completions over the engine: a request JSON in, `chat.completion.chunk`s out while
-//! generating, and the final `chat.completion` (with usage and llama.cpp-style timings).
+//! generating, and the final `chat.completion` (with usage and llama.cpp-style timings); and text
+//! completions (completion.rs). [`prepare`] and [`run`] take either, for the C ABI and the server.
 
+pub mod completion;
 pub mod request;
 mod tool_grammar;
 
 use serde_json::{json, Map, Value};
 
+pub use completion::{prepare_completion, run_completion, CompletionRequest, PreparedCompletion};
 pub use request::{ChatRequest, SamplingOverrides, ToolChoice};
 
 use crate::chat::output::{Delta, OutputParser};
@@ -31,6 +34,57 @@ pub struct PreparedChat {
 impl PreparedChat {
     pub fn prompt_tokens(&self) -> usize {
         self.prompt.len()
+    }
+}
+
+/// The two OpenAI endpoints Atlas serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Text,
+}
+
+impl Endpoint {
+    pub fn name(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat completion",
+            Endpoint::Text => "text completion",
+        }
+    }
+}
+
+/// A request of either endpoint, parsed and tokenized.
+pub enum Prepared {
+    Chat(PreparedChat),
+    Text(PreparedCompletion),
+}
+
+impl Prepared {
+    /// Makes the request stream its chunks (so that a host's callback sees every token and can
+    /// cancel); returns whether its client asked for a stream.
+    pub fn stream_always(&mut self) -> bool {
+        match self {
+            Prepared::Chat(p) => std::mem::replace(&mut p.request.stream, true),
+            Prepared::Text(p) => p.stream_always(),
+        }
+    }
+}
+
+/// Parses and prepares a request for `endpoint` (no engine needed).
+pub fn prepare(front: &Frontend, endpoint: Endpoint, request_json: &str) -> Result<Prepared> {
+    Ok(match endpoint {
+        Endpoint::Chat => Prepared::Chat(prepare_chat(front, ChatRequest::from_json_str(request_json)?)?),
+        Endpoint::Text => Prepared::Text(prepare_completion(front, CompletionRequest::from_json_str(request_json)?)?),
+    })
+}
+
+/// Runs a prepared request of either endpoint.
+pub fn run(engine: &mut Engine, prepared: Prepared, on_chunk: ChunkSink) -> Result<Value> {
+    match prepared {
+        Prepared::Chat(p) => run_chat(engine, p, on_chunk),
+        Prepared::Text(p) => run_completion(engine, p, on_chunk),
     }
 }
 

@@ -1,8 +1,10 @@
 //! Tool calls held to their functions' `parameters` schemas: a Lark grammar (llguidance's syntax)
 //! for what the model writes, in the tool-call format its template taught it:
 //!
-//!   JSON (Qwen3)          <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
-//!   XML (Qwen3.5/3.6)     <tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n...</function>\n</tool_call>
+//! ```text
+//! JSON (Qwen3)          <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
+//! XML (Qwen3.5/3.6)     <tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n...</function>\n</tool_call>
+//! ```
 //!
 //! A forced call (`tool_choice` "required" or a named function) continues the prompt's forced
 //! prefix (see `forced_call_prefix`): the grammar covers the rest of the call, and more calls when

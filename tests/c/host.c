@@ -53,6 +53,7 @@ static const char *(*p_version)(void);
 static int32_t (*p_load)(const char *, AtlasModel **, char **);
 static void (*p_unload)(AtlasModel *);
 static int32_t (*p_chat)(AtlasModel *, const char *, AtlasChunkCallback, void *, char **, char **);
+static int32_t (*p_text)(AtlasModel *, const char *, AtlasChunkCallback, void *, char **, char **);
 static int32_t (*p_info)(AtlasModel *, char **, char **);
 static void (*p_free)(char *);
 
@@ -202,6 +203,18 @@ static void test_model(AtlasModel *m) {
     p_free(plain);
     p_free(again);
     p_free(streamed);
+
+    /* Text completions: the same calling convention, text_completion objects. */
+    char *text = NULL;
+    err = NULL;
+    CHECK(p_text(m, "{\"prompt\":\"The sea\",\"max_tokens\":4,\"temperature\":0,\"echo\":true}", NULL, NULL, &text, &err) ==
+              ATLAS_STATUS_OK && text && strstr(text, "\"object\":\"text_completion\"") && strstr(text, "\"text\":\"The sea"),
+          "text completion %s %s", text ? text : "", err ? err : "");
+    p_free(text);
+    p_free(err);
+    err = NULL;
+    CHECK(p_text(m, "{\"messages\":[]}", NULL, NULL, &text, &err) == ATLAS_STATUS_INVALID_REQUEST && err, "chat fields refused");
+    p_free(err);
 }
 
 static void on_alarm(int sig) {
@@ -396,6 +409,7 @@ int main(int argc, char **argv) {
     *(void **)&p_load = sym(lib, "atlas_load");
     *(void **)&p_unload = sym(lib, "atlas_unload");
     *(void **)&p_chat = sym(lib, "atlas_chat_completion");
+    *(void **)&p_text = sym(lib, "atlas_text_completion");
     *(void **)&p_info = sym(lib, "atlas_model_info");
     *(void **)&p_free = sym(lib, "atlas_string_free");
 

@@ -81,7 +81,8 @@ enum Command {
     ///
     /// Endpoints: POST /v1/chat/completions (also /chat/completions) takes an OpenAI chat request
     /// and answers with a chat.completion, or with server-sent events (data: {chunk} ... data:
-    /// [DONE]) when "stream" is true; GET /v1/models lists the model; GET /health answers
+    /// [DONE]) when "stream" is true; POST /v1/completions (also /completions) takes a text
+    /// completion (prompt, echo, suffix, logprobs) the same way; GET /v1/models lists the model; GET /health answers
     /// {"status":"ok"} once the model is loaded (503 while it loads). Errors are OpenAI-shaped,
     /// {"error": {"message", "type", "code"}}: 400 for a request the engine refuses, 401 for a
     /// wrong API key, 500 for an internal failure, 503 while loading.

@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use atlas::api::{prepare_chat, run_chat, ChatRequest, PreparedChat, DEFAULT_MAX_REQUEST_BYTES};
+use atlas::api::{self, Endpoint, Prepared, DEFAULT_MAX_REQUEST_BYTES};
 use atlas::engine::Frontend;
 use atlas::{Engine, EngineOptions, Error, Result};
 use axum::body::{Body, Bytes};
@@ -191,6 +191,8 @@ async fn serve(args: &ServeArgs, opts: EngineOptions) -> Result<()> {
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(text_completions))
+        .route("/completions", post(text_completions))
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/health", get(health))
@@ -329,7 +331,7 @@ async fn not_found() -> ApiError {
         StatusCode::NOT_FOUND,
         "not_found_error",
         "not_found",
-        "no such endpoint (POST /v1/chat/completions, GET /v1/models, GET /health)",
+        "no such endpoint (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health)",
     )
 }
 
@@ -371,7 +373,16 @@ impl Drop for CancelOnDrop {
     }
 }
 
-async fn chat_completions(
+async fn chat_completions(state: State<Arc<Server>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    completions(Endpoint::Chat, state, headers, body).await
+}
+
+async fn text_completions(state: State<Arc<Server>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    completions(Endpoint::Text, state, headers, body).await
+}
+
+async fn completions(
+    endpoint: Endpoint,
     State(server): State<Arc<Server>>,
     headers: HeaderMap,
     body: Body,
@@ -380,20 +391,20 @@ async fn chat_completions(
     let loaded = server.ready()?;
     let bytes = read_body(&headers, body, server.max_request_bytes).await?;
     let frontend = loaded.frontend.clone();
-    let (prepared, streaming) = tokio::task::spawn_blocking(move || prepare(&frontend, &bytes))
+    let (prepared, streaming) = tokio::task::spawn_blocking(move || prepare(&frontend, endpoint, &bytes))
         .await
         .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))??;
     // The queue: a client that leaves while waiting here drops this handler, and its place with it.
     let engine = loaded.engine.clone().lock_owned().await;
     if streaming {
-        stream_completion(engine, prepared, server.stream_timeout).await
+        stream_completion(engine, endpoint, prepared, server.stream_timeout).await
     } else {
         let cancelled = Arc::new(AtomicBool::new(false));
         let _guard = CancelOnDrop(cancelled.clone());
         let job = tokio::task::spawn_blocking(move || {
             let mut engine = engine;
             let mut on_chunk = |_: &str| if cancelled.load(Ordering::Relaxed) { Err(Gone::Left) } else { Ok(()) };
-            run_completion(&mut engine, prepared, &mut on_chunk)
+            run_completion(&mut engine, endpoint, prepared, &mut on_chunk)
         });
         let answer = job.await.map_err(|e| ApiError::internal(format!("the request failed: {e}")))??;
         Ok(json_response(StatusCode::OK, &answer))
@@ -426,13 +437,12 @@ fn too_large(limit: usize) -> ApiError {
 /// Parses a request and renders and tokenizes its prompt, all without the engine; also returns
 /// whether the client asked for a stream. The prepared request always streams, so that its chunks
 /// flow through the callback and a vanished client cancels it either way.
-fn prepare(frontend: &Frontend, body: &[u8]) -> Result<(PreparedChat, bool), ApiError> {
+fn prepare(frontend: &Frontend, endpoint: Endpoint, body: &[u8]) -> Result<(Prepared, bool), ApiError> {
     let text =
         std::str::from_utf8(body).map_err(|e| ApiError::invalid(format!("the request body is not UTF-8: {e}")))?;
-    let prepared = ChatRequest::from_json_str(text).and_then(|mut request| {
-        let streaming = request.stream;
-        request.stream = true;
-        Ok((prepare_chat(frontend, request)?, streaming))
+    let prepared = api::prepare(frontend, endpoint, text).map(|mut p| {
+        let streaming = p.stream_always();
+        (p, streaming)
     });
     prepared.map_err(|e| {
         eprintln!("rejected a request: {e}");
@@ -444,7 +454,8 @@ fn prepare(frontend: &Frontend, body: &[u8]) -> Result<(PreparedChat, bool), Api
 /// and generation then stops at the next token.
 fn run_completion(
     engine: &mut Engine,
-    prepared: PreparedChat,
+    endpoint: Endpoint,
+    prepared: Prepared,
     on_chunk: &mut dyn FnMut(&str) -> Result<(), Gone>,
 ) -> Result<Value, ApiError> {
     let mut gone = None;
@@ -456,13 +467,14 @@ fn run_completion(
         }
     };
     let start = Instant::now();
-    let result = catch_unwind(AssertUnwindSafe(|| run_chat(engine, prepared, &mut sink)));
+    let result = catch_unwind(AssertUnwindSafe(|| api::run(engine, prepared, &mut sink)));
+    let what = endpoint.name();
     let ms = start.elapsed().as_secs_f64() * 1e3;
     match result {
         Ok(Ok(answer)) => {
             let usage = &answer["usage"];
             eprintln!(
-                "chat completion: {} prompt tokens ({} cached), {} generated, finish {}, {ms:.0} ms",
+                "{what}: {} prompt tokens ({} cached), {} generated, finish {}, {ms:.0} ms",
                 usage["prompt_tokens"],
                 usage["prompt_tokens_details"]["cached_tokens"],
                 usage["completion_tokens"],
@@ -477,11 +489,11 @@ fn run_completion(
                 }
                 _ => "the client went away".to_string(),
             };
-            eprintln!("chat completion cancelled after {ms:.0} ms: {why}");
+            eprintln!("{what} cancelled after {ms:.0} ms: {why}");
             Err(Error::Cancelled.into())
         }
         Ok(Err(e)) => {
-            eprintln!("chat completion failed: {e}");
+            eprintln!("{what} failed: {e}");
             Err(e.into())
         }
         Err(panic) => {
@@ -491,18 +503,19 @@ fn run_completion(
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            eprintln!("chat completion panicked: {what}");
+            eprintln!("{} panicked: {what}", endpoint.name());
             Err(ApiError::internal(format!("internal error: {what}")))
         }
     }
 }
 
 /// Server-sent events: `data: {chunk}` per chunk, then `data: [DONE]`. The response waits for the
-/// generation's second event (its first delta after the role chunk) or its end, so that errors
-/// found before any token still get an HTTP status.
+/// generation's second event (a chat's first delta after the role chunk; a text completion's
+/// second piece) or its end, so that errors found before any token still get an HTTP status.
 async fn stream_completion(
     engine: OwnedMutexGuard<Engine>,
-    prepared: PreparedChat,
+    endpoint: Endpoint,
+    prepared: Prepared,
     stall: Duration,
 ) -> Result<Response, ApiError> {
     let backlog = Arc::new(Backlog::default());
@@ -511,7 +524,7 @@ async fn stream_completion(
     let mut sender = ChunkSender { tx, backlog, stall, gone: None };
     tokio::task::spawn_blocking(move || {
         let mut engine = engine;
-        let result = run_completion(&mut engine, prepared, &mut |chunk| sender.send(Event::Chunk(chunk.to_string())));
+        let result = run_completion(&mut engine, endpoint, prepared, &mut |chunk| sender.send(Event::Chunk(chunk.to_string())));
         // The next request need not wait for this client to take the end of its answer.
         drop(engine);
         let _ = sender.send(Event::Done(result));
