@@ -1,11 +1,24 @@
 // Greedy sampling on the device: the index of the largest logit (lowest index on ties, as
 // torch.argmax), among the first `limit` (or *limit_dev, in a recorded decode step), so only one id
-// crosses to the host. Each block reduces a strided share of the logits and writes its best to
+// crosses to the host. A token mask (a grammar's allowed tokens), when `mask` is given and its
+// word count mask[0] is non-zero, leaves out every id i whose bit i % 32 of mask[1 + i / 32] is
+// clear, and every id past the mask (top_k below takes the same mask). Each block reduces a strided share of the logits and writes its best to
 // part_v/part_i [gridDim.x]; the last block to finish (a ticket, reset afterwards) reduces those in
 // block order. Launch: grid ARGMAX_BLOCKS, block 256.
 #include "common/portable.h"
 
 #define ARGMAX_BLOCKS 128
+
+// Whether id i may be chosen under a mask of `count` words (none: null words).
+__device__ __forceinline__ bool token_allowed(const unsigned* words, int count, int i) {
+    return !words || ((i >> 5) < count && (words[i >> 5] >> (i & 31)) & 1u);
+}
+
+// The mask's words and their count, or null when no mask applies (read once per kernel).
+__device__ __forceinline__ const unsigned* token_mask_words(const unsigned* mask, int* count) {
+    *count = mask ? (int)mask[0] : 0;
+    return *count ? mask + 1 : nullptr;
+}
 
 // (v, i) beats (bv, bi): larger value, or the same value at a lower index.
 __device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
@@ -30,15 +43,17 @@ __device__ __forceinline__ void argmax_block(float& v, int& i) {
     i = si[0];
 }
 
-ATLAS_KERNEL void argmax(const float* logits, int n, int limit, const int* limit_dev, float* part_v, int* part_i,
-                         int* ticket, int* out) {
+ATLAS_KERNEL void argmax(const float* logits, int n, int limit, const int* limit_dev, const unsigned* mask,
+                         float* part_v, int* part_i, int* ticket, int* out) {
     __shared__ int is_last;
     if (limit_dev) limit = *limit_dev;
     const int end = min(n, limit);
+    int count;
+    const unsigned* words = token_mask_words(mask, &count);
     float v = NEG_INF;
     int idx = 0x7fffffff;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < end; i += gridDim.x * blockDim.x) {
-        if (logits[i] > v) {
+        if (logits[i] > v && token_allowed(words, count, i)) {
             v = logits[i];
             idx = i;
         }
@@ -143,11 +158,13 @@ __device__ void topk_fold(float* sv, int* si, int len) {
 }
 
 ATLAS_KERNEL void top_k(const float* logits, int n, int limit, const int* limit_dev, int k, const int* k_dev,
-                        float* part_v, int* part_i, int* ticket, float* out_v, int* out_i) {
+                        const unsigned* mask, float* part_v, int* part_i, int* ticket, float* out_v, int* out_i) {
     __shared__ float sv[TOPK_TILE];
     __shared__ int si[TOPK_TILE];
     __shared__ int is_last;
     if (limit_dev) limit = *limit_dev;
+    int mask_words;
+    const unsigned* words = token_mask_words(mask, &mask_words);
     const int end = max(0, min(n, limit));
     const int share = (end + (int)gridDim.x - 1) / (int)gridDim.x;
     const int lo = min(end, (int)blockIdx.x * share), hi = min(end, lo + share);
@@ -162,8 +179,9 @@ ATLAS_KERNEL void top_k(const float* logits, int n, int limit, const int* limit_
         int len = 2 * TOPK_MAX;
         while (len < count + TOPK_MAX) len <<= 1;
         for (int j = threadIdx.x; j < len - TOPK_MAX; j += blockDim.x) {
-            sv[TOPK_MAX + j] = j < count ? logits[base + j] : NEG_INF;
-            si[TOPK_MAX + j] = j < count ? base + j : TOPK_NO_ID;
+            const bool real = j < count && token_allowed(words, mask_words, base + j);
+            sv[TOPK_MAX + j] = real ? logits[base + j] : NEG_INF;
+            si[TOPK_MAX + j] = real ? base + j : TOPK_NO_ID;
         }
         __syncthreads();
         // Bitonic sort of every 64-run, all descending: the first step of each size compares mirror

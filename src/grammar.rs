@@ -12,6 +12,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
+use crate::backend::apply_token_mask;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -105,21 +106,14 @@ pub struct Constraint {
 }
 
 impl Constraint {
+    /// The tokens the grammar allows next: bit i of word i / 32.
+    pub fn allowed(&mut self) -> Result<Vec<u32>> {
+        Ok(self.matcher.compute_mask_or_eos().map_err(grammar_error)?.as_slice().to_vec())
+    }
+
     /// Sets every logit the grammar does not allow next to -inf.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self.matcher.compute_mask_or_eos().map_err(grammar_error)?;
-        // One bit per token, 32 to a word; ids past the mask are not allowed.
-        let words = allowed.as_slice().iter().copied().chain(std::iter::repeat(0));
-        for (chunk, word) in logits.chunks_mut(32).zip(words) {
-            if word == u32::MAX {
-                continue;
-            }
-            for (bit, l) in chunk.iter_mut().enumerate() {
-                if word >> bit & 1 == 0 {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-        }
+        apply_token_mask(logits, &self.allowed()?);
         Ok(())
     }
 

@@ -323,6 +323,13 @@ pub trait Backend: Send + Sync {
         compose_moe_block(self, x, norm, eps, router_logits, experts, shared, routing)
     }
 
+    /// From now on `argmax` and `top_k` (recorded decode steps too) consider only the ids whose
+    /// bit is set in `mask` (bit i of word i / 32: a grammar's allowed tokens), until a call with
+    /// None. Backends without it say Unsupported, and the caller masks logits on the host.
+    fn set_token_mask(&self, _mask: Option<&[u32]>) -> Result<()> {
+        Err(crate::Error::Unsupported(format!("token masks on {}", self.describe())))
+    }
+
     /// Index of the largest of the first `limit` values of a `[1, n]` tensor (lowest index on ties).
     fn argmax(&self, x: &Self::Tensor, limit: usize) -> Result<u32> {
         let values = self.to_host(x)?;
@@ -385,5 +392,21 @@ pub fn compose_moe_block<B: Backend + ?Sized>(
     match (hidden, shared) {
         (Some(h), Some(s)) => b.linear_add(&h, &s.mlp.down, None, x), // x += down(h)
         _ => Ok(()),
+    }
+}
+
+/// Sets to -inf every value whose bit is clear in `mask` (bit i of word i / 32; ids past the mask
+/// are not allowed): how a token mask applies to logits on the host.
+pub fn apply_token_mask(values: &mut [f32], mask: &[u32]) {
+    let words = mask.iter().copied().chain(std::iter::repeat(0));
+    for (chunk, word) in values.chunks_mut(32).zip(words) {
+        if word == u32::MAX {
+            continue;
+        }
+        for (bit, v) in chunk.iter_mut().enumerate() {
+            if word >> bit & 1 == 0 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
     }
 }

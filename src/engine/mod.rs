@@ -239,6 +239,12 @@ impl Engine {
         }
     }
 
+    /// See `Backend::set_token_mask` (benchmarks drive it directly); Ok(false) where the backend
+    /// cannot.
+    pub fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
+        self.model.set_token_mask(mask)
+    }
+
     /// The vocabulary for constrained decoding, read once.
     fn grammar_vocab(&mut self) -> Result<Arc<GrammarVocab>> {
         if let Some(v) = &self.grammar_vocab {
@@ -328,6 +334,23 @@ impl Engine {
         vocab_limit: Option<usize>,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
+        let result = self.decode(req, vocab_limit, on_text);
+        // A grammar's last mask must not outlive its request, whatever happened.
+        if req.grammar.is_some() {
+            let cleared = self.model.set_token_mask(None);
+            if let (Ok(_), Err(e)) = (&result, cleared) {
+                return Err(e);
+            }
+        }
+        result
+    }
+
+    fn decode(
+        &mut self,
+        req: &GenerateRequest,
+        vocab_limit: Option<usize>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation> {
         if req.prompt.is_empty() {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
@@ -362,19 +385,27 @@ impl Engine {
         self.cached.truncate(reuse);
         let t0 = Instant::now();
         // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
-        // the k best logits from there; anything else (a grammar too) samples from every logit on
-        // the host.
-        let on_host = constraint.is_some() || req.logprobs.is_some();
+        // the k best logits from there, a grammar's mask of allowed tokens sent there first when
+        // the backend takes one; anything else (logprobs too) samples from every logit on the host.
+        let device_choice = req.logprobs.is_none() && (sampler.is_plain_greedy() || sampler.device_top_k().is_some());
+        let device_mask = constraint.is_some() && device_choice && self.model.set_token_mask(None)?;
+        let on_host = req.logprobs.is_some() || (constraint.is_some() && !device_mask);
         let greedy = sampler.is_plain_greedy() && !on_host;
         let top_k = sampler.device_top_k().filter(|_| !on_host);
         let mut logprobs = Vec::new();
         let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| {
-            if greedy {
-                return model.forward_greedy(tokens, pos, sampler.vocab_limit());
-            }
-            if let Some(k) = top_k {
-                let best = model.forward_top_k(tokens, pos, k, sampler.vocab_limit())?;
-                return Ok(sampler.sample_top_k(best));
+            if greedy || top_k.is_some() {
+                if let Some(c) = constraint.as_mut() {
+                    model.set_token_mask(Some(&c.allowed()?))?;
+                }
+                let token = match top_k {
+                    Some(k) => sampler.sample_top_k(model.forward_top_k(tokens, pos, k, sampler.vocab_limit())?),
+                    None => model.forward_greedy(tokens, pos, sampler.vocab_limit())?,
+                };
+                if let Some(c) = constraint.as_mut() {
+                    c.accept(token)?;
+                }
+                return Ok(token);
             }
             let mut logits = model.forward(tokens, pos)?;
             if let Some(c) = constraint.as_mut() {
@@ -621,6 +652,9 @@ impl LanguageModel for Noted {
     }
     fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
         self.inner.step(tokens, start_pos, want)
+    }
+    fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
+        self.inner.set_token_mask(mask)
     }
     fn backend_description(&self) -> String {
         format!("{} (not the GPU: {})", self.inner.backend_description(), self.note)

@@ -49,6 +49,9 @@ pub trait LanguageModel: Send {
             _ => Err(Error::Device("the backend did not return candidates".into())),
         }
     }
+    /// See `Backend::set_token_mask`: Ok(false) where the backend cannot (the caller then masks
+    /// the logits on the host).
+    fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool>;
     fn backend_description(&self) -> String;
     /// Whether a step may start at any cached position. Recurrent layers (Gated DeltaNet) keep
     /// one state for the positions so far: they continue from its end or start again at 0.
@@ -201,6 +204,14 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         let out = self.run_step(tokens, start_pos, want)?;
         self.recurrent_at = Some(end);
         Ok(out)
+    }
+
+    fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
+        match self.backend.set_token_mask(mask) {
+            Ok(()) => Ok(true),
+            Err(Error::Unsupported(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     fn backend_description(&self) -> String {

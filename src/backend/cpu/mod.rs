@@ -34,6 +34,8 @@ pub struct CpuKvCache {
 
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    /// See `Backend::set_token_mask`.
+    token_mask: std::sync::Mutex<Option<Vec<u32>>>,
 }
 
 impl CpuBackend {
@@ -44,7 +46,16 @@ impl CpuBackend {
             .thread_name(|i| format!("atlas-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
-        Ok(CpuBackend { pool })
+        Ok(CpuBackend { pool, token_mask: std::sync::Mutex::new(None) })
+    }
+
+    /// The logits as the sampler sees them: the token mask applied.
+    fn masked(&self, x: &CpuTensor) -> Vec<f32> {
+        let mut values = x.data.clone();
+        if let Some(mask) = self.token_mask.lock().unwrap_or_else(|p| p.into_inner()).as_deref() {
+            crate::backend::apply_token_mask(&mut values, mask);
+        }
+        values
     }
 }
 
@@ -455,6 +466,20 @@ impl Backend for CpuBackend {
             }
         }
         self.add_assign(residual, &CpuTensor::new(t, h, out))
+    }
+
+    fn set_token_mask(&self, mask: Option<&[u32]>) -> Result<()> {
+        *self.token_mask.lock().unwrap_or_else(|p| p.into_inner()) = mask.map(<[u32]>::to_vec);
+        Ok(())
+    }
+
+    fn argmax(&self, x: &CpuTensor, limit: usize) -> Result<u32> {
+        let values = self.masked(x);
+        Ok(crate::sampling::argmax(&values[..limit.min(values.len())]))
+    }
+
+    fn top_k(&self, x: &CpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
+        Ok(crate::sampling::top_k(&self.masked(x), k, limit))
     }
 
     fn last_row(&self, x: &CpuTensor) -> Result<CpuTensor> {

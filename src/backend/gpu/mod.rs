@@ -128,6 +128,9 @@ pub struct GpuBackend {
     /// The rotary frequency table on the device, uploaded once (every layer uses the same one).
     rope_table: Mutex<Option<(Vec<f32>, GpuTensor)>>,
     decode: Mutex<DecodeGraph>,
+    /// The token mask (see `Backend::set_token_mask`) as argmax and top_k read it: the word count
+    /// (0: no mask), then the words; made at the first mask and kept (recorded steps point at it).
+    token_mask: Mutex<Option<(DeviceBuffer, usize)>>,
 }
 
 /// The recorded decode step. While recording, ops read the token and position from `inputs`
@@ -237,7 +240,7 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), token_mask: Mutex::new(None) }
     }
 
     fn decode_state(&self) -> std::sync::MutexGuard<'_, DecodeGraph> {
@@ -502,6 +505,7 @@ impl GpuBackend {
             Arg::I32(logits.cols as i32),
             limit,
             Arg::Ptr(limit_dev),
+            Arg::Ptr(self.token_mask_ptr()),
             Arg::Ptr(part_v),
             Arg::Ptr(part_i),
             Arg::Ptr(ticket),
@@ -521,6 +525,7 @@ impl GpuBackend {
             Arg::Ptr(0),
             Arg::I32(k as i32),
             Arg::Ptr(0),
+            Arg::Ptr(self.token_mask_ptr()),
             Arg::Ptr(base + Scratch::TOPK_V),
             Arg::Ptr(base + Scratch::TOPK_I),
             Arg::Ptr(base + Scratch::TOPK_TICKET),
@@ -537,6 +542,11 @@ impl GpuBackend {
             .filter(|&(id, _)| id >= 0)
             .map(|(id, v)| (id as u32, v))
             .collect())
+    }
+
+    /// The token mask's device address, 0 before the first mask.
+    fn token_mask_ptr(&self) -> u64 {
+        self.token_mask.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |(b, _)| b.ptr)
     }
 
     fn download_token(&self, ptr: u64) -> Result<u32> {
@@ -988,6 +998,31 @@ impl Backend for GpuBackend {
         let out = self.tensor(1, x.cols)?;
         self.rt.copy(out.buf.ptr, x.buf.ptr + ((x.rows - 1) * x.cols * 4) as u64, x.cols * 4)?;
         Ok(out)
+    }
+
+    fn set_token_mask(&self, mask: Option<&[u32]>) -> Result<()> {
+        let mut slot = self.token_mask.lock().unwrap_or_else(|p| p.into_inner());
+        if mask.is_some_and(<[u32]>::is_empty) {
+            return Err(Error::InvalidArgument("an empty token mask (it would allow nothing)".into()));
+        }
+        let Some(words) = mask else {
+            // Off: a count of 0 (nothing to do before the first mask).
+            return match slot.as_ref() {
+                Some((buf, _)) => self.rt.upload(buf.ptr, &0u32.to_le_bytes()),
+                None => Ok(()),
+            };
+        };
+        if slot.as_ref().is_none_or(|(_, capacity)| *capacity < words.len()) {
+            // Steps recorded without a mask (or with a smaller one) point elsewhere.
+            self.forget_recording();
+            *slot = Some((DeviceBuffer::new(&self.rt, (words.len() + 1) * 4)?, words.len()));
+        }
+        let ptr = slot.as_ref().map_or(0, |(b, _)| b.ptr);
+        drop(slot);
+        // The word count first: the kernels allow no id past the mask (and 0 words means off).
+        let count = u32::try_from(words.len()).map_err(|_| Error::InvalidArgument("token mask too long".into()))?;
+        let bytes: Vec<u8> = std::iter::once(count).chain(words.iter().copied()).flat_map(u32::to_le_bytes).collect();
+        self.rt.upload(ptr, &bytes)
     }
 
     fn argmax(&self, x: &GpuTensor, limit: usize) -> Result<u32> {

@@ -2,7 +2,9 @@
 
 use std::time::Instant;
 
+use atlas::grammar::{GrammarSpec, GrammarVocab};
 use atlas::sampling::Rng;
+use atlas::tokenizer::Tokenizer;
 use atlas::{Engine, EngineOptions, Error, Result};
 use clap::Args;
 
@@ -33,6 +35,25 @@ pub struct BenchArgs {
     /// Repetitions of each test; the table shows mean ± standard deviation.
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
+    /// Also run each decode test under a JSON-object grammar (structured output): every step
+    /// computes the grammar's mask on the CPU, hands it to the device and feeds back the token
+    /// chosen under it ("tg128 json"); the plain test then feeds back its own choices too.
+    #[arg(long)]
+    json: bool,
+    /// tokenizer.json for --json with a synthetic model (which has none of its own).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Copy)]
+enum Test {
+    Prefill,
+    /// Random tokens fed in, each next one chosen on the device (and not used).
+    Decode,
+    /// Each chosen token fed back in, as generation runs.
+    FedBack,
+    /// The same under a JSON-object grammar's mask.
+    Json,
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -64,13 +85,31 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let backend = engine.report().device.clone();
     println!("| {:<24} | {:<24} | {:>14} | {:>20} |", "model", "backend", "test", "t/s");
     println!("| {:-<24} | {:-<24} | {:->14} | {:->20} |", "", "", "", "");
-    let mut tests: Vec<(String, usize, usize, bool)> = Vec::new();
+    let grammar = match (args.json, &args.tokenizer) {
+        (false, _) => None,
+        (true, path) => {
+            let tokenizer = match path {
+                Some(p) => Tokenizer::from_file(p)?,
+                None => engine.tokenizer()?.clone(),
+            };
+            let eos = if engine.eos_ids().is_empty() { vec![0] } else { engine.eos_ids().to_vec() };
+            Some(GrammarVocab::new(&tokenizer, engine.config().vocab_size, &eos)?)
+        }
+    };
+    let mut tests: Vec<(String, usize, usize, Test)> = Vec::new();
     for &d in &args.depth {
         let at = if d > 0 { format!(" @ d{d}") } else { String::new() };
-        tests.extend(args.n_prompt.iter().filter(|&&n| n > 0).map(|&n| (format!("pp{n}{at}"), d, n, true)));
-        tests.extend(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| (format!("tg{n}{at}"), d, n, false)));
+        tests.extend(args.n_prompt.iter().filter(|&&n| n > 0).map(|&n| (format!("pp{n}{at}"), d, n, Test::Prefill)));
+        for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+            if grammar.is_some() {
+                tests.push((format!("tg{n}{at} fed back"), d, n, Test::FedBack));
+                tests.push((format!("tg{n}{at} json"), d, n, Test::Json));
+            } else {
+                tests.push((format!("tg{n}{at}"), d, n, Test::Decode));
+            }
+        }
     }
-    for (name, depth, n, prefill) in tests {
+    for (name, depth, n, test) in tests {
         let mut rates = Vec::with_capacity(args.repetitions);
         for _ in 0..args.repetitions {
             if depth > 0 {
@@ -79,11 +118,31 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let tokens = random_tokens(n);
             let t = Instant::now();
             // As greedy generation runs: the next token is chosen on the device.
-            if prefill {
-                engine.forward_greedy(&tokens, depth)?;
-            } else {
-                for (i, tok) in tokens.iter().enumerate() {
-                    engine.forward_greedy(&[*tok], depth + i)?;
+            match test {
+                Test::Prefill => {
+                    engine.forward_greedy(&tokens, depth)?;
+                }
+                Test::Decode => {
+                    for (i, tok) in tokens.iter().enumerate() {
+                        engine.forward_greedy(&[*tok], depth + i)?;
+                    }
+                }
+                Test::FedBack | Test::Json => {
+                    let mut constraint = match (&grammar, test) {
+                        (Some(g), Test::Json) => Some(g.constraint(&GrammarSpec::JsonObject)?),
+                        _ => None,
+                    };
+                    let mut tok = tokens[0];
+                    for i in 0..n {
+                        if let Some(c) = constraint.as_mut() {
+                            engine.set_token_mask(Some(&c.allowed()?))?;
+                        }
+                        tok = engine.forward_greedy(&[tok], depth + i)?;
+                        if let Some(c) = constraint.as_mut() {
+                            c.accept(tok)?;
+                        }
+                    }
+                    engine.set_token_mask(None)?;
                 }
             }
             rates.push(n as f64 / t.elapsed().as_secs_f64());
