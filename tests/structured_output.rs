@@ -319,3 +319,27 @@ fn logprobs_are_the_log_softmax_of_the_logits() {
     let streamed = chunks.iter().filter(|c| c.contains("\"logprobs\"")).count();
     assert_eq!(streamed, 1, "{chunks:?}");
 }
+
+#[test]
+fn every_constrained_answer_is_a_sentence_of_its_grammar() {
+    use atlas::grammar::{GrammarSpec, GrammarVocab};
+    let mut engine = engine();
+    let prompt = engine.tokenizer().unwrap().encode("Give me JSON").unwrap();
+    let vocab = GrammarVocab::new(engine.tokenizer().unwrap(), engine.config().vocab_size, engine.eos_ids()).unwrap();
+    for (i, schema) in schemas().into_iter().enumerate().take(8) {
+        let spec = GrammarSpec::JsonSchema(schema);
+        // Top-k sampling takes the device path (the mask goes to the backend), temperature alone the host path.
+        for sampling in [SamplingParams { temperature: 1.0, top_k: 40, seed: Some(i as u64), ..Default::default() },
+                         SamplingParams { temperature: 1.0, seed: Some(i as u64), ..Default::default() }] {
+            let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(300), sampling, stop: vec![], ignore_eos: false,
+                                        grammar: Some(spec.clone()), logprobs: None };
+            let generation = engine.generate(&req, &mut |_| true).unwrap();
+            // llguidance's own check: a fresh matcher takes every chosen token and accepts the end.
+            let mut check = vocab.constraint(&spec).unwrap();
+            for &t in &generation.tokens {
+                check.accept(t).unwrap_or_else(|e| panic!("schema {i}: token {t} refused: {e}"));
+            }
+            assert!(check.is_accepting(), "schema {i}: {:?} is not complete", generation.text);
+        }
+    }
+}
