@@ -43,6 +43,16 @@ __device__ __forceinline__ void argmax_block(float& v, int& i) {
     i = si[0];
 }
 
+// logits[id] += bias for each (id, bias) of a request's logit_bias, before argmax or top_k:
+// `bias` holds the count, then the ids (int), then the biases (float). Launch: enough threads
+// for the list's capacity (those past the count do nothing).
+ATLAS_KERNEL void logit_bias(float* logits, int n, const int* bias) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, count = bias[0];
+    if (i >= count) return;
+    const int id = bias[1 + i];
+    if (id >= 0 && id < n) logits[id] += __int_as_float(bias[1 + count + i]);
+}
+
 ATLAS_KERNEL void argmax(const float* logits, int n, int limit, const int* limit_dev, const unsigned* mask,
                          float* part_v, int* part_i, int* ticket, int* out) {
     __shared__ int is_last;

@@ -125,6 +125,11 @@ impl Sampler {
         p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.logit_bias.is_empty()
     }
 
+    /// Replaces the biases this sampler adds (a backend that adds them itself takes them over).
+    pub fn set_logit_bias(&mut self, bias: Vec<(u32, f32)>) {
+        self.params.logit_bias = bias;
+    }
+
     /// Ids at or above this are never chosen.
     pub fn vocab_limit(&self) -> usize {
         self.vocab_limit

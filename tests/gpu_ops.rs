@@ -414,6 +414,22 @@ fn token_masks_restrict_argmax_and_top_k_as_on_the_cpu() {
     c.set_token_mask(None).unwrap();
     assert_eq!(g.argmax(&logits.gpu, n).unwrap(), c.argmax(&logits.cpu, n).unwrap());
     assert!(g.set_token_mask(Some(&[])).is_err(), "an empty mask allows nothing");
+    // Logit biases (a request's logit_bias), with and without a mask; a longer list regrows the
+    // device's; none again restores the plain choice.
+    let plain = c.argmax(&logits.cpu, n).unwrap();
+    for bias in [vec![(plain, -100.0), (17, 30.0)], (0..300).map(|i| (i * 13, if i % 2 == 0 { 9.0 } else { -9.0 })).collect()] {
+        g.set_logit_bias(&bias).unwrap();
+        c.set_logit_bias(&bias).unwrap();
+        let fresh = pair(&g, 1, n, logits.cpu.data.clone());
+        let want = c.argmax(&fresh.cpu, n).unwrap();
+        assert_eq!(g.argmax(&fresh.gpu, n).unwrap(), want, "argmax with {} biases", bias.len());
+        let fresh = pair(&g, 1, n, logits.cpu.data.clone());
+        assert_eq!(g.top_k(&fresh.gpu, 20, n).unwrap(), c.top_k(&fresh.cpu, 20, n).unwrap(), "top_k with {} biases", bias.len());
+    }
+    g.set_logit_bias(&[]).unwrap();
+    c.set_logit_bias(&[]).unwrap();
+    let fresh = pair(&g, 1, n, logits.cpu.data.clone());
+    assert_eq!(g.argmax(&fresh.gpu, n).unwrap(), plain);
 }
 
 #[test]
@@ -440,6 +456,20 @@ fn constrained_greedy_answers_match_on_cpu_and_gpu() {
         r["choices"][0]["message"]["content"].as_str().unwrap().to_string()
     };
     let (cpu_text, gpu_text) = (answer(Device::Cpu), answer(Device::Cuda));
+    // logit_bias on the device (recorded steps add it): the first greedy token banned, another pushed.
+    let biased = |device| {
+        let mut engine = Engine::load(&EngineOptions { device, ..EngineOptions::new(fixture("chat_tiny")) }, &mut |_| {}).unwrap();
+        let prompt = engine.tokenizer().unwrap().encode("hello").unwrap();
+        let mut req = GenerateRequest { prompt, max_tokens: Some(6), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+        let plain = engine.generate(&req, &mut |_| true).unwrap().tokens;
+        req.sampling.logit_bias = vec![(plain[0], -100.0), (plain[0] + 1, 50.0)];
+        let banned = engine.generate(&req, &mut |_| true).unwrap().tokens;
+        assert!(!banned.contains(&plain[0]) && banned.iter().all(|&t| t == plain[0] + 1), "{device:?}: {plain:?} then {banned:?}");
+        req.sampling.logit_bias.clear();
+        assert_eq!(engine.generate(&req, &mut |_| true).unwrap().tokens, plain, "{device:?}: the biases outlived their request");
+        banned
+    };
+    assert_eq!(biased(Device::Cuda), biased(Device::Cpu));
     let v: serde_json::Value = serde_json::from_str(&gpu_text).unwrap_or_else(|e| panic!("{gpu_text:?}: {e}"));
     assert!(v["color"].is_string() && v["ok"].is_boolean() && v["n"].is_u64(), "{v}");
     assert_eq!(gpu_text, cpu_text, "constrained greedy answers: GPU {gpu_text:?}, CPU {cpu_text:?}");

@@ -330,6 +330,13 @@ pub trait Backend: Send + Sync {
         Err(crate::Error::Unsupported(format!("token masks on {}", self.describe())))
     }
 
+    /// From now on `argmax` and `top_k` (recorded decode steps too) add these biases to the values
+    /// first (a request's `logit_bias`), until a call with none. Backends without it say
+    /// Unsupported, and the caller adds them on the host.
+    fn set_logit_bias(&self, _bias: &[(u32, f32)]) -> Result<()> {
+        Err(crate::Error::Unsupported(format!("logit biases on {}", self.describe())))
+    }
+
     /// Index of the largest of the first `limit` values of a `[1, n]` tensor (lowest index on ties).
     fn argmax(&self, x: &Self::Tensor, limit: usize) -> Result<u32> {
         let values = self.to_host(x)?;

@@ -335,12 +335,16 @@ impl Engine {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
         let result = self.decode(req, vocab_limit, on_text);
-        // A grammar's last mask must not outlive its request, whatever happened.
+        // A grammar's last mask and the biases must not outlive their request, whatever happened.
+        let mut cleared = Ok(true);
         if req.grammar.is_some() {
-            let cleared = self.model.set_token_mask(None);
-            if let (Ok(_), Err(e)) = (&result, cleared) {
-                return Err(e);
-            }
+            cleared = cleared.and(self.model.set_token_mask(None));
+        }
+        if !req.sampling.logit_bias.is_empty() {
+            cleared = cleared.and(self.model.set_logit_bias(&[]));
+        }
+        if let (Ok(_), Err(e)) = (&result, cleared) {
+            return Err(e);
         }
         result
     }
@@ -369,7 +373,8 @@ impl Engine {
             None => ctx_size.saturating_sub(req.prompt.len()).max(1),
         };
         check_fits(req.prompt.len(), max_tokens, ctx_size)?;
-        let mut sampler = Sampler::new(req.sampling.clone(), vocab_limit.unwrap_or(usize::MAX));
+        // The biases go back to the sampler below unless the backend adds them.
+        let mut sampler = Sampler::new(SamplingParams { logit_bias: Vec::new(), ..req.sampling.clone() }, vocab_limit.unwrap_or(usize::MAX));
         let front = self.front.clone();
         let text_tokenizer = vocab_limit.and(front.tokenizer().ok());
         let mut detok = Detokenizer::new(true);
@@ -387,9 +392,15 @@ impl Engine {
         // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
         // the k best logits from there, a grammar's mask of allowed tokens sent there first when
         // the backend takes one; anything else (logprobs too) samples from every logit on the host.
+        // The same for a request's logit_bias: added where the logits are when the choice is made
+        // there.
+        let bias = req.sampling.logit_bias.clone();
         let device_choice = req.logprobs.is_none() && (sampler.is_plain_greedy() || sampler.device_top_k().is_some());
         let device_mask = constraint.is_some() && device_choice && self.model.set_token_mask(None)?;
-        let on_host = req.logprobs.is_some() || (constraint.is_some() && !device_mask);
+        let on_host = req.logprobs.is_some() || (constraint.is_some() && !device_mask) || !device_choice;
+        if !bias.is_empty() && (on_host || !self.model.set_logit_bias(&bias)?) {
+            sampler.set_logit_bias(bias);
+        }
         let greedy = sampler.is_plain_greedy() && !on_host;
         let top_k = sampler.device_top_k().filter(|_| !on_host);
         let mut logprobs = Vec::new();
@@ -655,6 +666,9 @@ impl LanguageModel for Noted {
     }
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
         self.inner.set_token_mask(mask)
+    }
+    fn set_logit_bias(&mut self, bias: &[(u32, f32)]) -> Result<bool> {
+        self.inner.set_logit_bias(bias)
     }
     fn backend_description(&self) -> String {
         format!("{} (not the GPU: {})", self.inner.backend_description(), self.note)

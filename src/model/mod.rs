@@ -52,6 +52,8 @@ pub trait LanguageModel: Send {
     /// See `Backend::set_token_mask`: Ok(false) where the backend cannot (the caller then masks
     /// the logits on the host).
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool>;
+    /// See `Backend::set_logit_bias`: Ok(false) where the backend cannot.
+    fn set_logit_bias(&mut self, bias: &[(u32, f32)]) -> Result<bool>;
     fn backend_description(&self) -> String;
     /// Whether a step may start at any cached position. Recurrent layers (Gated DeltaNet) keep
     /// one state for the positions so far: they continue from its end or start again at 0.
@@ -207,11 +209,11 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
     }
 
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
-        match self.backend.set_token_mask(mask) {
-            Ok(()) => Ok(true),
-            Err(Error::Unsupported(_)) => Ok(false),
-            Err(e) => Err(e),
-        }
+        supported(self.backend.set_token_mask(mask))
+    }
+
+    fn set_logit_bias(&mut self, bias: &[(u32, f32)]) -> Result<bool> {
+        supported(self.backend.set_logit_bias(bias))
     }
 
     fn backend_description(&self) -> String {
@@ -279,5 +281,14 @@ impl GenerationDefaults {
             min_p: num("min_p"),
             repetition_penalty: num("repetition_penalty"),
         })
+    }
+}
+
+/// Ok(false) for an Unsupported error: the caller then does the work on the host.
+fn supported(r: Result<()>) -> Result<bool> {
+    match r {
+        Ok(()) => Ok(true),
+        Err(Error::Unsupported(_)) => Ok(false),
+        Err(e) => Err(e),
     }
 }

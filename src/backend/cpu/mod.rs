@@ -36,6 +36,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     /// See `Backend::set_token_mask`.
     token_mask: std::sync::Mutex<Option<Vec<u32>>>,
+    /// See `Backend::set_logit_bias`.
+    logit_bias: std::sync::Mutex<Vec<(u32, f32)>>,
 }
 
 impl CpuBackend {
@@ -46,12 +48,17 @@ impl CpuBackend {
             .thread_name(|i| format!("atlas-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
-        Ok(CpuBackend { pool, token_mask: std::sync::Mutex::new(None) })
+        Ok(CpuBackend { pool, token_mask: std::sync::Mutex::new(None), logit_bias: std::sync::Mutex::new(Vec::new()) })
     }
 
-    /// The logits as the sampler sees them: the token mask applied.
+    /// The logits as argmax and top_k see them: the biases added, the token mask applied.
     fn masked(&self, x: &CpuTensor) -> Vec<f32> {
         let mut values = x.data.clone();
+        for &(id, bias) in self.logit_bias.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if let Some(v) = values.get_mut(id as usize) {
+                *v += bias;
+            }
+        }
         if let Some(mask) = self.token_mask.lock().unwrap_or_else(|p| p.into_inner()).as_deref() {
             crate::backend::apply_token_mask(&mut values, mask);
         }
@@ -470,6 +477,11 @@ impl Backend for CpuBackend {
 
     fn set_token_mask(&self, mask: Option<&[u32]>) -> Result<()> {
         *self.token_mask.lock().unwrap_or_else(|p| p.into_inner()) = mask.map(<[u32]>::to_vec);
+        Ok(())
+    }
+
+    fn set_logit_bias(&self, bias: &[(u32, f32)]) -> Result<()> {
+        *self.logit_bias.lock().unwrap_or_else(|p| p.into_inner()) = bias.to_vec();
         Ok(())
     }
 

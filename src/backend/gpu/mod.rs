@@ -131,6 +131,9 @@ pub struct GpuBackend {
     /// The token mask (see `Backend::set_token_mask`) as argmax and top_k read it: the word count
     /// (0: no mask), then the words; made at the first mask and kept (recorded steps point at it).
     token_mask: Mutex<Option<(DeviceBuffer, usize)>>,
+    /// A request's logit_bias (see `Backend::set_logit_bias`) as the logit_bias kernel reads it:
+    /// the count, the ids, the biases; with its capacity in entries, kept like the mask.
+    logit_bias: Mutex<Option<(DeviceBuffer, usize)>>,
 }
 
 /// The recorded decode step. While recording, ops read the token and position from `inputs`
@@ -240,7 +243,7 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), token_mask: Mutex::new(None) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), token_mask: Mutex::new(None), logit_bias: Mutex::new(None) }
     }
 
     fn decode_state(&self) -> std::sync::MutexGuard<'_, DecodeGraph> {
@@ -454,7 +457,8 @@ impl GpuBackend {
             // Selected after the replay, from the recorded step's logits.
             StepOutput::TopK { k, limit } => {
                 let logits = d.logits.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
-                Ok(StepResult::Candidates(self.top_k(logits, k, limit)?))
+                // The recorded step has added the biases already.
+                Ok(StepResult::Candidates(self.select_top_k(logits, k, limit)?))
             }
         }
     }
@@ -542,6 +546,38 @@ impl GpuBackend {
             .filter(|&(id, _)| id >= 0)
             .map(|(id, v)| (id as u32, v))
             .collect())
+    }
+
+    /// Adds the request's logit biases to `logits` in place (nothing before the first biases).
+    fn add_logit_bias(&self, logits: &GpuTensor) -> Result<()> {
+        let slot = self.logit_bias.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((buf, capacity)) = slot.as_ref() else { return Ok(()) };
+        let args = [Arg::Ptr(logits.buf.ptr), Arg::I32(logits.cols as i32), Arg::Ptr(buf.ptr)];
+        self.rt.launch("logit_bias", [blocks(*capacity, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &args)
+    }
+
+    /// The `k` largest of the first `limit` logits (mask applied), on the device where it can.
+    fn select_top_k(&self, x: &GpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
+        if k > MAX_DEVICE_TOP_K || x.rows != 1 {
+            let mut values = self.to_host(x)?;
+            if let Some(mask) = self.host_token_mask()? {
+                super::apply_token_mask(&mut values, &mask);
+            }
+            return Ok(crate::sampling::top_k(&values, k, limit));
+        }
+        self.device_top_k(x, k, limit)
+    }
+
+    /// The token mask in force, read back from the device (for the host's top-k of more than
+    /// MAX_DEVICE_TOP_K candidates).
+    fn host_token_mask(&self) -> Result<Option<Vec<u32>>> {
+        let slot = self.token_mask.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((buf, capacity)) = slot.as_ref() else { return Ok(None) };
+        let mut bytes = vec![0u8; (capacity + 1) * 4];
+        self.rt.download(buf.ptr, &mut bytes)?;
+        let words: Vec<u32> = bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+        let count = (words[0] as usize).min(*capacity);
+        Ok((count > 0).then(|| words[1..=count].to_vec()))
     }
 
     /// The token mask's device address, 0 before the first mask.
@@ -1026,17 +1062,39 @@ impl Backend for GpuBackend {
     }
 
     fn argmax(&self, x: &GpuTensor, limit: usize) -> Result<u32> {
+        self.add_logit_bias(x)?;
         let out = self.scratch(4)?;
         self.launch_argmax(x, limit, 0, out.ptr)?;
         self.download_token(out.ptr)
     }
 
     fn top_k(&self, x: &GpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
-        if k > MAX_DEVICE_TOP_K || x.rows != 1 {
-            let values = self.to_host(x)?;
-            return Ok(crate::sampling::top_k(&values, k, limit));
+        self.add_logit_bias(x)?;
+        self.select_top_k(x, k, limit)
+    }
+
+    fn set_logit_bias(&self, bias: &[(u32, f32)]) -> Result<()> {
+        let mut slot = self.logit_bias.lock().unwrap_or_else(|p| p.into_inner());
+        if bias.is_empty() {
+            // Off: a count of 0 (nothing to do before the first biases).
+            return match slot.as_ref() {
+                Some((buf, _)) => self.rt.upload(buf.ptr, &0u32.to_le_bytes()),
+                None => Ok(()),
+            };
         }
-        self.device_top_k(x, k, limit)
+        if slot.as_ref().is_none_or(|(_, capacity)| *capacity < bias.len()) {
+            // Recorded steps launch the kernel over the old capacity (or not at all).
+            self.forget_recording();
+            let capacity = bias.len().next_power_of_two().max(64);
+            *slot = Some((DeviceBuffer::new(&self.rt, (1 + 2 * capacity) * 4)?, capacity));
+        }
+        let ptr = slot.as_ref().map_or(0, |(b, _)| b.ptr);
+        drop(slot);
+        let count = i32::try_from(bias.len()).map_err(|_| Error::InvalidArgument("logit_bias too long".into()))?;
+        let ids = bias.iter().map(|&(id, _)| id.min(i32::MAX as u32) as i32);
+        let mut bytes: Vec<u8> = std::iter::once(count).chain(ids).flat_map(i32::to_le_bytes).collect();
+        bytes.extend(bias.iter().flat_map(|&(_, b)| b.to_le_bytes()));
+        self.rt.upload(ptr, &bytes)
     }
 
     fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<Option<StepResult>> {
@@ -1076,6 +1134,7 @@ impl Backend for GpuBackend {
                 return Err(Error::InvalidArgument(format!("decode step returned [{}, {}]", out.rows, out.cols)));
             }
             self.rt.copy(logits.buf.ptr, out.buf.ptr, logits_bytes)?;
+            self.add_logit_bias(&logits)?;
             self.launch_argmax(&logits, vocab, inputs + 8, token_out.ptr)
         })?;
         let exec = capture.end()?;
