@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a host relies on, checked on the built library (docs/security.md, "Runtime behaviour"):
 #   1. libatlas.so imports no socket or name-resolution function (nm -D --undefined-only). The
-#      `atlas` binary does, for `atlas serve`; the library must not.
+#      `atlas` binary does, for `atlas serve`; the library must not. And it exports exactly the
+#      functions include/atlas.h declares (nm -D --defined-only): no dependency's C API.
 #   2. The C host test (tests/c/host.c: load, chat, stream, cancel, unload...) run under strace
 #      makes no network system call, opens every file read-only, and creates, renames or deletes
 #      nothing outside $ATLAS_CACHE. Without strace: run in an empty network namespace
@@ -18,6 +19,13 @@ if [[ -n $bad ]]; then
     exit 1
 fi
 echo "runtime: $lib imports $(wc -l <<<"$imports") functions, none for sockets or name resolution"
+exports=$(nm -D --defined-only "$lib" | awk '$2 ~ /^[TtWwDdBbRr]$/ {print $NF}' | sed 's/@.*//' | sort -u)
+declared=$(grep -o '\batlas_[a-z_]*(' "$(dirname "$0")/../include/atlas.h" | tr -d '(' | sort -u)
+if [[ $exports != "$declared" ]]; then
+    echo "$lib exports [$(echo $exports)], include/atlas.h declares [$(echo $declared)]" >&2
+    exit 1
+fi
+echo "runtime: $lib exports the $(wc -l <<<"$exports") functions of include/atlas.h and nothing else"
 
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
