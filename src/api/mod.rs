@@ -6,6 +6,8 @@ pub mod completion;
 pub mod request;
 mod tool_grammar;
 
+use std::cell::RefCell;
+
 use serde_json::{json, Map, Value};
 
 pub use completion::{prepare_completion, run_completion, CompletionRequest, PreparedCompletion};
@@ -15,6 +17,7 @@ use crate::chat::output::{Delta, OutputParser};
 use crate::engine::{Engine, FinishReason, Frontend, GenerateRequest};
 use crate::grammar::GrammarSpec;
 use crate::sampling::{SamplingParams, TokenLogprob};
+use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
 /// Receives each streamed chunk as JSON text; returns false to cancel the request.
@@ -154,18 +157,24 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
 
     let mut answer = Answer::default();
     stream.send(json!({"role": "assistant", "content": ""}), None)?;
-    let mut failed: Option<Error> = None;
-    let result = engine.generate(&gen, &mut |piece| {
-        let deltas = parser.push(piece);
-        match answer.absorb(deltas, &mut stream, request.parallel_tool_calls) {
-            Ok(()) => true,
-            Err(e) => {
-                failed = Some(e);
-                false
-            }
-        }
-    });
-    let generation = match (result, failed) {
+    // Text and log-probabilities both stream as they come: the two callbacks share the stream.
+    let tokenizer = request.logprobs.map(|_| engine.frontend().tokenizer().cloned()).transpose()?;
+    let (stream_cell, failed) = (RefCell::new(stream), RefCell::new(None));
+    let result = engine.generate_with_logprobs(
+        &gen,
+        &mut |piece| {
+            let deltas = parser.push(piece);
+            let sent = answer.absorb(deltas, &mut stream_cell.borrow_mut(), request.parallel_tool_calls);
+            sent.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
+        },
+        &mut |lp| {
+            let Some(tok) = &tokenizer else { return true };
+            let sent = logprob_entry(tok, lp).and_then(|e| stream_cell.borrow_mut().send_logprobs(&json!({"content": [e]})));
+            sent.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
+        },
+    );
+    let mut stream = stream_cell.into_inner();
+    let generation = match (result, failed.into_inner()) {
         (_, Some(e)) | (Err(e), None) => return Err(e),
         (Ok(g), None) => g,
     };
@@ -198,13 +207,13 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         "predicted_per_token_ms": generation.decode_ms / predicted_n.max(1) as f64,
         "predicted_per_second": per_second(predicted_n, generation.decode_ms),
     });
-    let logprobs = match request.logprobs {
-        Some(_) => Some(json!({"content": logprob_entries(engine, &generation.logprobs)?})),
+    let logprobs = match &tokenizer {
+        Some(tok) => {
+            let content = generation.logprobs.iter().map(|lp| logprob_entry(tok, lp)).collect::<Result<Vec<_>>>()?;
+            Some(json!({ "content": content }))
+        }
         None => None,
     };
-    if let Some(lp) = &logprobs {
-        stream.send_logprobs(lp)?;
-    }
     stream.send_final(finish_reason, &timings)?;
     if request.include_usage {
         stream.send_usage(&usage)?;
@@ -261,25 +270,19 @@ pub fn random_id(prefix: &str) -> String {
     id
 }
 
-/// OpenAI's `logprobs.content`: per token its text, log-probability, UTF-8 bytes and the top
-/// alternatives. A token that is part of a character decodes to U+FFFD (its bytes too).
-fn logprob_entries(engine: &Engine, logprobs: &[TokenLogprob]) -> Result<Vec<Value>> {
-    let tok = engine.tokenizer()?;
+/// One entry of OpenAI's `logprobs.content`: the token's text, log-probability, UTF-8 bytes and
+/// the top alternatives. A token that is part of a character decodes to U+FFFD (its bytes too).
+fn logprob_entry(tok: &Tokenizer, t: &TokenLogprob) -> Result<Value> {
     let entry = |id: u32, logprob: f32| -> Result<Value> {
         let text = tok.decode(&[id], false)?;
         // -inf (a token the grammar excluded) has no JSON number: the smallest f32 stands for it.
         let lp = if logprob.is_finite() { logprob } else { f32::MIN };
         Ok(json!({"token": text, "logprob": lp, "bytes": text.as_bytes()}))
     };
-    logprobs
-        .iter()
-        .map(|t| {
-            let mut e = entry(t.token, t.logprob)?;
-            let top = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect::<Result<Vec<_>>>()?;
-            e["top_logprobs"] = Value::Array(top);
-            Ok(e)
-        })
-        .collect()
+    let mut e = entry(t.token, t.logprob)?;
+    let top = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect::<Result<Vec<_>>>()?;
+    e["top_logprobs"] = Value::Array(top);
+    Ok(e)
 }
 
 fn per_second(n: usize, ms: f64) -> f64 {
@@ -389,7 +392,7 @@ impl Stream<'_> {
         self.emit(c)
     }
 
-    /// The answer's log-probabilities, all in one chunk before the final one.
+    /// A token's log-probabilities, in a chunk of their own as the token is chosen.
     fn send_logprobs(&mut self, logprobs: &Value) -> Result<()> {
         let c = self.chunk(json!([{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": null}]));
         self.emit(c)

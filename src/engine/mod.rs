@@ -317,14 +317,25 @@ impl Engine {
     /// text (never part of a UTF-8 character or of a stop string); it returns false to cancel.
     /// Only ids the tokenizer can decode are ever chosen.
     pub fn generate(&mut self, req: &GenerateRequest, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Generation> {
+        self.generate_with_logprobs(req, on_text, &mut |_| true)
+    }
+
+    /// As `generate`, and each new token's log-probabilities (when the request asks for them) go
+    /// to `on_logprob` as the token is chosen; a false from either callback cancels.
+    pub fn generate_with_logprobs(
+        &mut self,
+        req: &GenerateRequest,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        on_logprob: &mut dyn FnMut(&TokenLogprob) -> bool,
+    ) -> Result<Generation> {
         let vocab_limit = self.front.tokenizer().map_or(usize::MAX, Tokenizer::vocab_size);
-        self.run(req, Some(vocab_limit), on_text)
+        self.run(req, Some(vocab_limit), on_text, on_logprob)
     }
 
     /// Token ids only, over every one of the model's `vocab_size` logits and without detokenizing,
     /// as transformers' own generate does: the reference for verification.
     pub fn generate_raw(&mut self, req: &GenerateRequest) -> Result<Generation> {
-        self.run(req, None, &mut |_| true)
+        self.run(req, None, &mut |_| true, &mut |_| true)
     }
 
     /// `vocab_limit`: None for raw ids without text; Some(n) to choose among ids below n and stream text.
@@ -333,8 +344,9 @@ impl Engine {
         req: &GenerateRequest,
         vocab_limit: Option<usize>,
         on_text: &mut dyn FnMut(&str) -> bool,
+        on_logprob: &mut dyn FnMut(&TokenLogprob) -> bool,
     ) -> Result<Generation> {
-        let result = self.decode(req, vocab_limit, on_text);
+        let result = self.decode(req, vocab_limit, on_text, on_logprob);
         // A grammar's last mask and the biases must not outlive their request, whatever happened.
         let mut cleared = Ok(true);
         if req.grammar.is_some() {
@@ -354,6 +366,7 @@ impl Engine {
         req: &GenerateRequest,
         vocab_limit: Option<usize>,
         on_text: &mut dyn FnMut(&str) -> bool,
+        on_logprob: &mut dyn FnMut(&TokenLogprob) -> bool,
     ) -> Result<Generation> {
         if req.prompt.is_empty() {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
@@ -403,8 +416,8 @@ impl Engine {
         }
         let greedy = sampler.is_plain_greedy() && !on_host;
         let top_k = sampler.device_top_k().filter(|_| !on_host);
-        let mut logprobs = Vec::new();
-        let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| {
+        // The next token, and its log-probabilities when the request asks for them.
+        let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| -> Result<(u32, Option<TokenLogprob>)> {
             if greedy || top_k.is_some() {
                 if let Some(c) = constraint.as_mut() {
                     model.set_token_mask(Some(&c.allowed()?))?;
@@ -416,7 +429,7 @@ impl Engine {
                 if let Some(c) = constraint.as_mut() {
                     c.accept(token)?;
                 }
-                return Ok(token);
+                return Ok((token, None));
             }
             let mut logits = model.forward(tokens, pos)?;
             if let Some(c) = constraint.as_mut() {
@@ -427,14 +440,12 @@ impl Engine {
             if let Some(c) = constraint.as_mut() {
                 c.accept(token)?;
             }
-            if let (Some(logits), Some(top)) = (before, req.logprobs) {
-                logprobs.push(TokenLogprob::new(&logits, sampler.vocab_limit(), token, top));
-            }
-            Ok(token)
+            let logprob = before.zip(req.logprobs).map(|(logits, top)| TokenLogprob::new(&logits, sampler.vocab_limit(), token, top));
+            Ok((token, logprob))
         };
         let mut history = prompt.clone();
         // A failed step may leave the cache (recurrent states above all) part-written: forget it.
-        let mut next = next_token(&mut self.model, &prompt[reuse..], reuse, &history).inspect_err(|_| self.cached.clear())?;
+        let (mut next, mut next_logprob) = next_token(&mut self.model, &prompt[reuse..], reuse, &history).inspect_err(|_| self.cached.clear())?;
         self.cached.extend_from_slice(&prompt[reuse..]);
         let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -457,6 +468,12 @@ impl Engine {
                 break;
             }
             out.tokens.push(next);
+            if let Some(lp) = next_logprob.take() {
+                if !on_logprob(&lp) {
+                    return Err(Error::Cancelled);
+                }
+                out.logprobs.push(lp);
+            }
             if let Some(tok) = text_tokenizer {
                 let piece = detok.push(tok, next)?;
                 stopped_by_string = emit(&mut stops, &piece, &mut out.text, on_text)?;
@@ -469,7 +486,7 @@ impl Engine {
                 break;
             }
             let pos = self.cached.len();
-            next = next_token(&mut self.model, &[next], pos, &history).inspect_err(|_| self.cached.clear())?;
+            (next, next_logprob) = next_token(&mut self.model, &[next], pos, &history).inspect_err(|_| self.cached.clear())?;
             self.cached.push(history[history.len() - 1]);
         }
         if let (Some(tok), false) = (text_tokenizer, stopped_by_string) {
@@ -481,9 +498,6 @@ impl Engine {
             }
         }
         out.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-        // The last choice may have been an end-of-sequence token, which is not part of the answer.
-        logprobs.truncate(out.tokens.len());
-        out.logprobs = logprobs;
         Ok(out)
     }
 
