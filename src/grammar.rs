@@ -56,10 +56,9 @@ impl GrammarVocab {
         let refused = |why: String| Error::Unsupported(format!("constrained decoding with this tokenizer: {why}"));
         let json: Value = serde_json::from_str(&tokenizer.to_json()?).map_err(|e| refused(e.to_string()))?;
         // llguidance asserts on some malformed vocabularies: a panic is a refusal, never a crash.
-        let bytes = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
+        let mut bytes = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
             .map_err(|_| refused("its vocabulary could not be read".into()))?
             .map_err(|e| refused(e.to_string()))?;
-        let mut bytes = bytes;
         if bytes.len() > vocab_size {
             return Err(refused(format!("{} tokens but {vocab_size} logits", bytes.len())));
         }

@@ -548,6 +548,30 @@ impl GpuBackend {
             .collect())
     }
 
+    /// Writes a count-prefixed list that argmax, top_k and the recorded decode step read at a fixed
+    /// address (the token mask, the logit biases): `Some((entries, capacity, bytes))` with the
+    /// whole list in `bytes`, count first, or None to set the count to 0 (nothing to do before
+    /// the first list). A list past its buffer's entries gets a buffer for `capacity` of them,
+    /// and the recorded step, which points at the old buffer, is forgotten.
+    fn put_step_list(&self, slot: &Mutex<Option<(DeviceBuffer, usize)>>, list: Option<(usize, usize, &[u8])>) -> Result<()> {
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((entries, capacity, bytes)) = list else {
+            return match slot.as_ref() {
+                Some((buf, _)) => self.rt.upload(buf.ptr, &0u32.to_le_bytes()),
+                None => Ok(()),
+            };
+        };
+        if slot.as_ref().is_none_or(|(_, held)| *held < entries) {
+            self.forget_recording();
+            // The count, then up to `capacity` entries of (bytes - 4) / entries bytes each.
+            let size = 4 + (bytes.len() - 4) / entries.max(1) * capacity;
+            *slot = Some((DeviceBuffer::new(&self.rt, size)?, capacity));
+        }
+        let ptr = slot.as_ref().map_or(0, |(b, _)| b.ptr);
+        drop(slot);
+        self.rt.upload(ptr, bytes)
+    }
+
     /// Adds the request's logit biases to `logits` in place (nothing before the first biases).
     fn add_logit_bias(&self, logits: &GpuTensor) -> Result<()> {
         let slot = self.logit_bias.lock().unwrap_or_else(|p| p.into_inner());
@@ -1037,28 +1061,14 @@ impl Backend for GpuBackend {
     }
 
     fn set_token_mask(&self, mask: Option<&[u32]>) -> Result<()> {
-        let mut slot = self.token_mask.lock().unwrap_or_else(|p| p.into_inner());
         if mask.is_some_and(<[u32]>::is_empty) {
             return Err(Error::InvalidArgument("an empty token mask (it would allow nothing)".into()));
         }
-        let Some(words) = mask else {
-            // Off: a count of 0 (nothing to do before the first mask).
-            return match slot.as_ref() {
-                Some((buf, _)) => self.rt.upload(buf.ptr, &0u32.to_le_bytes()),
-                None => Ok(()),
-            };
-        };
-        if slot.as_ref().is_none_or(|(_, capacity)| *capacity < words.len()) {
-            // Steps recorded without a mask (or with a smaller one) point elsewhere.
-            self.forget_recording();
-            *slot = Some((DeviceBuffer::new(&self.rt, (words.len() + 1) * 4)?, words.len()));
-        }
-        let ptr = slot.as_ref().map_or(0, |(b, _)| b.ptr);
-        drop(slot);
+        let Some(words) = mask else { return self.put_step_list(&self.token_mask, None) };
         // The word count first: the kernels allow no id past the mask (and 0 words means off).
         let count = u32::try_from(words.len()).map_err(|_| Error::InvalidArgument("token mask too long".into()))?;
         let bytes: Vec<u8> = std::iter::once(count).chain(words.iter().copied()).flat_map(u32::to_le_bytes).collect();
-        self.rt.upload(ptr, &bytes)
+        self.put_step_list(&self.token_mask, Some((words.len(), words.len(), &bytes)))
     }
 
     fn argmax(&self, x: &GpuTensor, limit: usize) -> Result<u32> {
@@ -1074,27 +1084,16 @@ impl Backend for GpuBackend {
     }
 
     fn set_logit_bias(&self, bias: &[(u32, f32)]) -> Result<()> {
-        let mut slot = self.logit_bias.lock().unwrap_or_else(|p| p.into_inner());
         if bias.is_empty() {
-            // Off: a count of 0 (nothing to do before the first biases).
-            return match slot.as_ref() {
-                Some((buf, _)) => self.rt.upload(buf.ptr, &0u32.to_le_bytes()),
-                None => Ok(()),
-            };
+            return self.put_step_list(&self.logit_bias, None);
         }
-        if slot.as_ref().is_none_or(|(_, capacity)| *capacity < bias.len()) {
-            // Recorded steps launch the kernel over the old capacity (or not at all).
-            self.forget_recording();
-            let capacity = bias.len().next_power_of_two().max(64);
-            *slot = Some((DeviceBuffer::new(&self.rt, (1 + 2 * capacity) * 4)?, capacity));
-        }
-        let ptr = slot.as_ref().map_or(0, |(b, _)| b.ptr);
-        drop(slot);
         let count = i32::try_from(bias.len()).map_err(|_| Error::InvalidArgument("logit_bias too long".into()))?;
         let ids = bias.iter().map(|&(id, _)| id.min(i32::MAX as u32) as i32);
         let mut bytes: Vec<u8> = std::iter::once(count).chain(ids).flat_map(i32::to_le_bytes).collect();
         bytes.extend(bias.iter().flat_map(|&(_, b)| b.to_le_bytes()));
-        self.rt.upload(ptr, &bytes)
+        // The kernel runs over the list's capacity: a few sizes only, each recorded once.
+        let capacity = bias.len().next_power_of_two().max(64);
+        self.put_step_list(&self.logit_bias, Some((bias.len(), capacity, &bytes)))
     }
 
     fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<Option<StepResult>> {
