@@ -252,3 +252,62 @@ ATLAS_KERNEL void top_k(const float* logits, int n, int limit, const int* limit_
     }
     if (threadIdx.x == 0) *ticket = 0;
 }
+
+// The log-partition of the allowed logits among the first min(n, limit) (the token mask as
+// argmax's): out[0] = log sum exp(l * inv_t) (inv_t = 1 / temperature), out[1] = log sum exp(l);
+// both -inf when no id is allowed. Top-p and min-p sampling from the top-k candidates need the first
+// (the candidates' share of the whole distribution), log-probabilities the second. Each block
+// takes a strided share: its max, then both sums relative to it, into part [3 * gridDim.x]; the
+// last block to finish (a ticket, reset afterwards) combines them in block order, so every launch
+// gives the same bits. Launch: grid LOGZ_BLOCKS (128), block 256; part holds 3 * gridDim.x floats.
+#define LOGZ_THREADS 256
+
+ATLAS_KERNEL void log_partition(const float* logits, int n, int limit, const unsigned* mask, float inv_t,
+                                float* part, int* ticket, float* out) {
+    __shared__ float scratch[LOGZ_THREADS / WARP_SIZE];
+    __shared__ int is_last;
+    const int end = min(n, limit);
+    int count;
+    const unsigned* words = token_mask_words(mask, &count);
+    float m = NEG_INF;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < end; i += gridDim.x * blockDim.x) {
+        if (logits[i] > m && token_allowed(words, count, i)) m = logits[i];
+    }
+    m = warp_max(m);
+    if (threadIdx.x % WARP_SIZE == 0) scratch[threadIdx.x / WARP_SIZE] = m;
+    __syncthreads();
+    for (int w = 0; w < (int)blockDim.x / WARP_SIZE; w++) m = fmaxf(m, scratch[w]);
+    float sum_t = 0.0f, sum_1 = 0.0f;
+    if (m > NEG_INF) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < end; i += gridDim.x * blockDim.x) {
+            if (token_allowed(words, count, i) && logits[i] > NEG_INF) {
+                sum_t += expf((logits[i] - m) * inv_t);
+                sum_1 += expf(logits[i] - m);
+            }
+        }
+    }
+    sum_t = block_sum(sum_t, scratch);
+    sum_1 = block_sum(sum_1, scratch);
+    if (threadIdx.x == 0) {
+        part[3 * blockIdx.x] = m;
+        part[3 * blockIdx.x + 1] = sum_t;
+        part[3 * blockIdx.x + 2] = sum_1;
+        __threadfence();
+        is_last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last || threadIdx.x != 0) return;
+    __threadfence();
+    const volatile float* p = part;
+    float top = NEG_INF;
+    for (int b = 0; b < (int)gridDim.x; b++) top = fmaxf(top, p[3 * b]);
+    float total_t = 0.0f, total_1 = 0.0f;
+    for (int b = 0; b < (int)gridDim.x && top > NEG_INF; b++) {
+        if (p[3 * b] == NEG_INF) continue;
+        total_t += p[3 * b + 1] * expf((p[3 * b] - top) * inv_t);
+        total_1 += p[3 * b + 2] * expf(p[3 * b] - top);
+    }
+    out[0] = top > NEG_INF ? top * inv_t + logf(total_t) : NEG_INF;
+    out[1] = top > NEG_INF ? top + logf(total_1) : NEG_INF;
+    *ticket = 0;
+}

@@ -12,7 +12,6 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
-use crate::backend::apply_token_mask;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -110,13 +109,7 @@ impl Constraint {
         Ok(self.matcher.compute_mask_or_eos().map_err(grammar_error)?.as_slice().to_vec())
     }
 
-    /// Sets every logit the grammar does not allow next to -inf.
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        apply_token_mask(logits, &self.allowed()?);
-        Ok(())
-    }
-
-    /// Advances past the chosen token (which `mask` allowed).
+    /// Advances past the chosen token (one that `allowed` allowed).
     pub fn accept(&mut self, token: u32) -> Result<()> {
         if self.matcher.is_stopped() {
             return Ok(());

@@ -145,40 +145,75 @@ impl Sampler {
             return argmax(logits);
         }
         let k = if self.params.top_k > 0 { self.params.top_k } else { logits.len() };
-        self.draw(top_k(logits, k, logits.len()))
+        self.draw(top_k(logits, k, logits.len()), None).unwrap_or(0)
     }
 
-    /// When the next token depends only on the `k` largest logits (top-k sampling with no
-    /// penalties), `Some(k)`: a GPU then hands over those k (id, logit) pairs instead of every logit.
-    pub fn device_top_k(&self) -> Option<usize> {
+    /// How the next token can be chosen where the logits are, so that only an id, or the k best
+    /// (id, logit) pairs and the log-partition, cross to the host; None when it needs every logit
+    /// on the host (penalties, biases left to the sampler, a top-k past MAX_DEVICE_TOP_K, plain
+    /// temperature sampling over the whole vocabulary). `logprobs`: the request wants the chosen
+    /// token's log-probability and this many others'.
+    pub fn device_choice(&self, logprobs: Option<usize>) -> Option<DeviceChoice> {
         let p = &self.params;
-        (p.temperature > 0.0 && self.leaves_logits_alone() && (1..=MAX_DEVICE_TOP_K).contains(&p.top_k)).then_some(p.top_k)
+        if !self.leaves_logits_alone() {
+            return None;
+        }
+        if p.temperature == 0.0 {
+            return Some(match logprobs {
+                None => DeviceChoice::Argmax,
+                Some(top) => DeviceChoice::TopK { k: top.max(1), temperature: Some(1.0), cut: None },
+            });
+        }
+        let (k, cut) = match p.top_k {
+            1..=MAX_DEVICE_TOP_K => (p.top_k, None),
+            0 if p.top_p < 1.0 || p.min_p > 0.0 => (MAX_DEVICE_TOP_K, Some(Cut { top_p: p.top_p, min_p: p.min_p })),
+            _ => return None,
+        };
+        let k = k.max(logprobs.unwrap_or(0)).min(MAX_DEVICE_TOP_K);
+        let temperature = (cut.is_some() || logprobs.is_some()).then_some(p.temperature);
+        Some(DeviceChoice::TopK { k, temperature, cut })
     }
 
-    /// Chooses the next token from the `device_top_k()` largest logits (id, logit), as `sample`
-    /// would from all of them.
-    pub fn sample_top_k(&mut self, best: Vec<(u32, f32)>) -> u32 {
+    /// Chooses the next token from the device's `k` best (id, logit) pairs, as `sample` would from
+    /// every logit. `partition` (asked for by `device_choice`) tells what the candidates are of
+    /// the whole distribution; None when a top-p or min-p cut does not fall among them (the
+    /// backend then hands back every logit instead, see `Cut`).
+    pub fn sample_candidates(&mut self, best: &[(u32, f32)], partition: Option<LogPartition>) -> Option<u32> {
         let limit = self.vocab_limit;
-        self.draw(best.into_iter().filter(|c| (c.0 as usize) < limit).collect())
+        let mut cands: Vec<(u32, f32)> = best.iter().copied().filter(|c| (c.0 as usize) < limit).collect();
+        if self.params.temperature == 0.0 {
+            return Some(cands.first().map_or(0, |c| c.0));
+        }
+        // The top-k draw normalises over its k; without top-k, over the whole distribution.
+        let whole = match self.params.top_k {
+            0 => Some(partition?.at_temperature),
+            k => {
+                cands.truncate(k);
+                None
+            }
+        };
+        self.draw(cands, whole)
     }
 
     /// Temperature, top-p and min-p over candidate (id, logit) pairs, then the seeded draw.
-    fn draw(&mut self, mut cands: Vec<(u32, f32)>) -> u32 {
+    /// `log_total`: log sum exp(l / T) of the whole distribution when `cands` are only its largest;
+    /// None when they are all of it. None (and no draw) when the cut does not fall among them.
+    fn draw(&mut self, mut cands: Vec<(u32, f32)>, log_total: Option<f32>) -> Option<u32> {
         if cands.is_empty() {
-            return 0;
+            return Some(0);
         }
         cands.iter_mut().for_each(|c| c.1 /= self.params.temperature);
         cands.sort_unstable_by(by_logit);
-        let probs = top_p_min_p(&cands, self.params.top_p, self.params.min_p);
+        let probs = top_p_min_p(&cands, self.params.top_p, self.params.min_p, log_total.map(f64::from))?;
         let total: f64 = probs.iter().sum();
         let mut u = self.rng.next_f64() * total;
         for (i, p) in probs.iter().enumerate() {
             if u < *p {
-                return cands[i].0;
+                return Some(cands[i].0);
             }
             u -= p;
         }
-        cands[probs.len() - 1].0
+        Some(cands[probs.len() - 1].0)
     }
 
     fn apply_penalties(&self, logits: &mut [f32], history: &[u32], output_start: usize) {
@@ -217,6 +252,62 @@ impl Sampler {
 /// The most candidates a GPU selects for top-k sampling (TOPK_MAX in kernels/sampling.hip).
 pub const MAX_DEVICE_TOP_K: usize = 64;
 
+/// How the backend that holds the logits makes (or prepares) the choice; see `Sampler::device_choice`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DeviceChoice {
+    /// The argmax (greedy decoding).
+    Argmax,
+    /// The `k` largest (id, logit) pairs, with the log-partition at `temperature` when Some, and
+    /// every logit instead when `cut` does not fall among the k.
+    TopK { k: usize, temperature: Option<f32>, cut: Option<Cut> },
+}
+
+/// A top-p / min-p cut over the whole distribution, which the device's candidates can only serve
+/// when it falls among them: with top-p 0.9 and a confident model, a handful of tokens; on a
+/// flat distribution, more than MAX_DEVICE_TOP_K.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cut {
+    pub top_p: f32,
+    pub min_p: f32,
+}
+
+impl Cut {
+    /// Whether the cut at `temperature` falls among `best` (largest first), given the log-partition.
+    pub fn falls_within(&self, best: &[(u32, f32)], temperature: f32, partition: LogPartition) -> bool {
+        if best.is_empty() {
+            return true;
+        }
+        let scaled: Vec<(u32, f32)> = best.iter().map(|&(id, l)| (id, l / temperature)).collect();
+        top_p_min_p(&scaled, self.top_p, self.min_p, Some(partition.at_temperature as f64)).is_some()
+    }
+}
+
+/// What a choice among the k largest logits needs to know of all of them: log sum exp(l / T) (the
+/// top-p cut's denominator) and log sum exp(l) (log-probabilities), over the allowed ids.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogPartition {
+    pub at_temperature: f32,
+    pub raw: f32,
+}
+
+impl LogPartition {
+    /// Over the first `limit` values (masked ones are -inf), in f64: the reference for the device's.
+    pub fn of(values: &[f32], limit: usize, temperature: f32) -> Self {
+        let values = &values[..limit.min(values.len())];
+        let max = values.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        if max == f64::NEG_INFINITY {
+            return LogPartition { at_temperature: f32::NEG_INFINITY, raw: f32::NEG_INFINITY };
+        }
+        let t = temperature as f64;
+        let (mut sum_t, mut sum_1) = (0.0f64, 0.0f64);
+        for &v in values.iter().filter(|v| v.is_finite()) {
+            sum_t += ((v as f64 - max) / t).exp();
+            sum_1 += (v as f64 - max).exp();
+        }
+        LogPartition { at_temperature: (max / t + sum_t.ln()) as f32, raw: (max + sum_1.ln()) as f32 }
+    }
+}
+
 /// Larger logit first, ties by lower id, so the order never depends on the sort algorithm.
 fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
@@ -252,6 +343,14 @@ impl TokenLogprob {
         let top = if top == 0 { Vec::new() } else { top_k(logits, top, logits.len()) };
         TokenLogprob { token, logprob: chosen, top: top.into_iter().map(|(id, l)| (id, logprob(l))).collect() }
     }
+
+    /// From the device's candidates (largest first, the chosen token among them) and the raw
+    /// log-partition of every allowed logit.
+    pub fn from_candidates(best: &[(u32, f32)], log_total: f32, token: u32, top: usize) -> Self {
+        let logprob = |l: f32| (l as f64 - log_total as f64) as f32;
+        let chosen = best.iter().find(|c| c.0 == token).map_or(f32::NEG_INFINITY, |c| logprob(c.1));
+        TokenLogprob { token, logprob: chosen, top: best.iter().take(top).map(|&(id, l)| (id, logprob(l))).collect() }
+    }
 }
 
 /// Index of the largest logit; the lowest index wins a tie, as torch.argmax does.
@@ -267,28 +366,47 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 /// Softmax over sorted candidates, then the top-p prefix and the min-p floor. Returns the kept
 /// probabilities (a prefix of `cands`, at least one), not renormalised.
-fn top_p_min_p(cands: &[(u32, f32)], top_p: f32, min_p: f32) -> Vec<f64> {
+/// The probabilities of the kept candidates (sorted, logits already divided by the temperature):
+/// the smallest prefix reaching `top_p`, cut further by `min_p` of the largest. With `log_total`
+/// the candidates are the largest of a distribution with that log-partition, and None means the
+/// cut lies past them.
+fn top_p_min_p(cands: &[(u32, f32)], top_p: f32, min_p: f32, log_total: Option<f64>) -> Option<Vec<f64>> {
     let max = cands[0].1 as f64;
-    let mut probs: Vec<f64> = cands.iter().map(|c| (c.1 as f64 - max).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
+    let mut probs: Vec<f64> = match log_total {
+        Some(log_total) => cands.iter().map(|c| (c.1 as f64 - log_total).exp()).collect(),
+        None => {
+            let mut p: Vec<f64> = cands.iter().map(|c| (c.1 as f64 - max).exp()).collect();
+            let total: f64 = p.iter().sum();
+            p.iter_mut().for_each(|p| *p /= total);
+            p
+        }
+    };
     let mut keep = probs.len();
+    let mut settled = log_total.is_none();
     if top_p < 1.0 {
         let mut cum = 0.0;
-        for (i, p) in probs.iter().enumerate() {
+        if let Some(i) = probs.iter().position(|p| {
             cum += p;
-            if cum >= top_p as f64 {
-                keep = i + 1;
-                break;
-            }
+            cum >= top_p as f64
+        }) {
+            keep = i + 1;
+            settled = true;
         }
     }
     if min_p > 0.0 {
         let floor = probs[0] * min_p as f64;
-        keep = keep.min(probs.iter().take_while(|p| **p >= floor).count().max(1));
+        let above = probs.iter().take_while(|p| **p >= floor).count().max(1);
+        // Every candidate above the floor: more of the distribution may be too.
+        if above < probs.len() || settled {
+            keep = keep.min(above);
+            settled = true;
+        }
+    }
+    if !settled {
+        return None;
     }
     probs.truncate(keep);
-    probs
+    Some(probs)
 }
 
 fn entropy_seed() -> u64 {
@@ -318,21 +436,61 @@ mod tests {
         (0..n).map(|_| s.sample(&mut logits(), &[], 0)).collect()
     }
 
-    #[test]
-    fn device_top_k_draws_what_the_full_sampler_draws() {
-        let l = logits();
-        for (k, top_p, min_p) in [(20, 0.95, 0.0), (1, 1.0, 0.0), (64, 0.8, 0.05), (5, 1.0, 0.0)] {
-            let p = SamplingParams { top_k: k, top_p, min_p, ..params(0.7) };
-            let (mut full, mut fast) = (Sampler::new(p.clone(), usize::MAX), Sampler::new(p, usize::MAX));
-            assert_eq!(fast.device_top_k(), Some(k));
-            for _ in 0..50 {
-                let want = full.sample(&mut l.clone(), &[], 0);
-                assert_eq!(fast.sample_top_k(top_k(&l, k, l.len())), want, "k {k}");
+    /// What `device_choice` asks the device for, drawn from by `sample_candidates`.
+    fn device_draw(s: &mut Sampler, l: &[f32], logprobs: Option<usize>) -> Option<(u32, Option<TokenLogprob>)> {
+        match s.device_choice(logprobs)? {
+            DeviceChoice::Argmax => Some((argmax(l), None)),
+            DeviceChoice::TopK { k, temperature, cut } => {
+                let best = top_k(l, k, l.len());
+                let partition = temperature.map(|t| LogPartition::of(l, l.len(), t));
+                if let (Some(cut), Some(t), Some(z)) = (cut, temperature, partition) {
+                    if !cut.falls_within(&best, t, z) {
+                        return None;
+                    }
+                }
+                let token = s.sample_candidates(&best, partition).expect("a settled cut draws");
+                let lp = logprobs.zip(partition).map(|(top, z)| TokenLogprob::from_candidates(&best, z.raw, token, top));
+                Some((token, lp))
             }
         }
+    }
+
+    #[test]
+    fn device_choices_draw_what_the_full_sampler_draws() {
+        // A peaked distribution over 1000 ids: top-p 0.9 falls among the 64 best.
+        let l: Vec<f32> = (0..1000).map(|i| 12.0 - (i as f32 * 0.37).sqrt() * 2.5 + ((i * 7919 % 100) as f32) * 0.01).collect();
+        let cases = [(20, 0.95, 0.0), (1, 1.0, 0.0), (64, 0.8, 0.05), (5, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.2), (0, 0.9, 0.05)];
+        for (k, top_p, min_p) in cases {
+            for logprobs in [None, Some(0), Some(5)] {
+                let p = SamplingParams { top_k: k, top_p, min_p, ..params(0.7) };
+                let (mut full, mut fast) = (Sampler::new(p.clone(), usize::MAX), Sampler::new(p, usize::MAX));
+                for _ in 0..50 {
+                    let want = full.sample(&mut l.clone(), &[], 0);
+                    let (got, lp) = device_draw(&mut fast, &l, logprobs).expect("served by the device");
+                    assert_eq!(got, want, "top_k {k} top_p {top_p} min_p {min_p}");
+                    if let Some(top) = logprobs {
+                        let host = TokenLogprob::new(&l, l.len(), want, top);
+                        let lp = lp.unwrap();
+                        assert!((lp.logprob - host.logprob).abs() < 1e-5, "{lp:?} vs {host:?}");
+                        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), host.top.iter().map(|t| t.0).collect::<Vec<_>>());
+                    }
+                }
+            }
+        }
+        // Greedy with logprobs: the top candidate, and its log-probability.
+        let mut greedy = Sampler::new(params(0.0), usize::MAX);
+        let (t, lp) = device_draw(&mut greedy, &l, Some(3)).unwrap();
+        assert_eq!((t, lp.unwrap().top.len()), (argmax(&l), 3));
+        // A flat distribution: top-p 0.9 reaches past the 64 best, so every logit is needed.
+        let flat: Vec<f32> = (0..1000).map(|i| (i % 13) as f32 * 0.01).collect();
+        let mut s = Sampler::new(SamplingParams { top_p: 0.9, ..params(1.0) }, usize::MAX);
+        assert!(device_draw(&mut s, &flat, None).is_none());
+        let mut s = Sampler::new(SamplingParams { min_p: 0.5, ..params(1.0) }, usize::MAX);
+        assert!(device_draw(&mut s, &flat, None).is_none(), "all 64 above the min-p floor: more may be");
         let penalised = SamplingParams { top_k: 20, repetition_penalty: 1.1, ..params(0.7) };
-        assert_eq!(Sampler::new(penalised, usize::MAX).device_top_k(), None);
-        assert_eq!(Sampler::new(params(0.7), usize::MAX).device_top_k(), None, "no top-k: every logit");
+        assert_eq!(Sampler::new(penalised, usize::MAX).device_choice(None), None);
+        assert_eq!(Sampler::new(params(0.7), usize::MAX).device_choice(None), None, "plain temperature: every logit");
+        assert_eq!(Sampler::new(SamplingParams { top_k: 100, ..params(0.7) }, usize::MAX).device_choice(None), None);
     }
 
     #[test]
@@ -365,14 +523,21 @@ mod tests {
     #[test]
     fn top_p_mask_is_the_smallest_prefix_reaching_p() {
         let cands = [(0, 2.0f32), (1, 1.0), (2, 0.0), (3, -1.0)];
-        let full = top_p_min_p(&cands, 1.0, 0.0);
-        assert_eq!(full.len(), 4);
+        let kept = |top_p, min_p| top_p_min_p(&cands, top_p, min_p, None).unwrap().len();
+        assert_eq!(kept(1.0, 0.0), 4);
         // p0 ≈ 0.644, p0 + p1 ≈ 0.881
-        assert_eq!(top_p_min_p(&cands, 0.6, 0.0).len(), 1);
-        assert_eq!(top_p_min_p(&cands, 0.7, 0.0).len(), 2);
-        assert_eq!(top_p_min_p(&cands, 0.9, 0.0).len(), 3);
+        assert_eq!(kept(0.6, 0.0), 1);
+        assert_eq!(kept(0.7, 0.0), 2);
+        assert_eq!(kept(0.9, 0.0), 3);
         // min_p 0.3: p1/p0 = e^-1 ≈ 0.37 stays, p2/p0 ≈ 0.135 goes.
-        assert_eq!(top_p_min_p(&cands, 1.0, 0.3).len(), 2);
+        assert_eq!(kept(1.0, 0.3), 2);
+        // The first two of the same distribution, with its log-partition: the cut must fall among them.
+        let log_total = (2f64.exp() + 1f64.exp() + 1.0 + (-1f64).exp()).ln();
+        let first_two = top_p_min_p(&cands[..2], 0.7, 0.0, Some(log_total)).unwrap();
+        assert!(first_two.len() == 2 && (first_two[0] - 0.644).abs() < 1e-3);
+        assert_eq!(top_p_min_p(&cands[..2], 0.9, 0.0, Some(log_total)), None);
+        assert_eq!(top_p_min_p(&cands[..2], 1.0, 0.3, Some(log_total)), None, "both above the floor: the third might be");
+        assert_eq!(top_p_min_p(&cands[..2], 1.0, 0.5, Some(log_total)).unwrap().len(), 1);
     }
 
     #[test]
@@ -398,7 +563,7 @@ mod tests {
         assert!(!s.is_plain_greedy());
         assert_eq!(s.sample(&mut base.clone(), &[], 0), 2);
         let ban = SamplingParams { logit_bias: vec![(0, -100.0)], ..params(1.0) };
-        assert_eq!(Sampler::new(SamplingParams { top_k: 5, ..ban.clone() }, 3).device_top_k(), None);
+        assert_eq!(Sampler::new(SamplingParams { top_k: 5, ..ban.clone() }, 3).device_choice(None), None);
         let mut s = Sampler::new(ban, 3);
         for _ in 0..50 {
             assert_ne!(s.sample(&mut base.clone(), &[], 0), 0);

@@ -118,3 +118,20 @@ fn qwen3_template_matches_transformers_byte_for_byte() {
         failures.join("\n\n")
     );
 }
+
+/// Atlas rebuilds tokenizer.json's BPE model without the `tokenizers` crate's per-thread cache
+/// (src/tokenizer.rs, `BPE_CACHE_WORDS`): on Qwen3's real vocabulary and merges it must encode
+/// and decode exactly as the crate's own reading of the file.
+#[test]
+fn qwen3_tokenizer_encodes_as_the_tokenizers_crate() {
+    let path = qwen3_tokenizer_dir().join("tokenizer.json");
+    let theirs: tokenizers::Tokenizer = std::fs::read_to_string(&path).unwrap().parse().unwrap();
+    let ours = atlas::tokenizer::Tokenizer::from_file(&path).unwrap();
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let text = format!("{readme}\n<|im_start|>user\nГде café 東京 1234567 🦀?\u{301}<|im_end|>\n<think>\n\n</think>");
+    let want = theirs.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+    assert!(want.len() > 1000);
+    assert_eq!(ours.encode(&text).unwrap(), want);
+    assert_eq!(ours.decode(&want, false).unwrap(), theirs.decode(&want, false).unwrap());
+}
+

@@ -261,6 +261,18 @@ fn embedding_linear_and_argmax() {
             assert_eq!(g.top_k(t, k, limit).unwrap(), want, "top_k k={k} limit={limit}");
         }
     }
+
+    // The log-partition beside the candidates (top-p / min-p cuts and logprobs from them), against
+    // the f64 reference; the same bits at every launch.
+    for (values, t) in [(&logits, &t), (&tied, &tt)] {
+        for (temperature, limit) in [(1.0, usize::MAX), (0.7, 151_669), (1.5, 5000)] {
+            let want = atlas::sampling::LogPartition::of(values, limit, temperature);
+            let got = g.log_partition(t, limit, temperature).unwrap();
+            let close = |a: f32, b: f32| (a - b).abs() < 1e-4 * b.abs().max(1.0);
+            assert!(close(got.at_temperature, want.at_temperature) && close(got.raw, want.raw), "log_partition T={temperature} limit={limit}: {got:?} vs {want:?}");
+            assert_eq!(g.log_partition(t, limit, temperature).unwrap(), got);
+        }
+    }
 }
 
 #[test]
@@ -381,6 +393,24 @@ fn top_k_sampling_on_the_device_is_reproducible() {
     assert_eq!(engine.generate_raw(&req).unwrap().tokens, first, "same seed, same tokens");
     let other = GenerateRequest { sampling: atlas::sampling::SamplingParams { seed: Some(8), ..req.sampling.clone() }, ..req.clone() };
     assert_ne!(engine.generate_raw(&other).unwrap().tokens, first, "another seed draws differently");
+    // Top-p or min-p without top-k: the 64 best and the log-partition come back (every logit only
+    // when the cut falls past them); greedy with logprobs: the candidates and the log-partition.
+    for sampling in [
+        atlas::sampling::SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(7), ..Default::default() },
+        atlas::sampling::SamplingParams { temperature: 1.0, min_p: 0.1, seed: Some(7), ..Default::default() },
+    ] {
+        let req = GenerateRequest { sampling, ..req.clone() };
+        let first = engine.generate_raw(&req).unwrap().tokens;
+        assert_eq!(engine.generate_raw(&req).unwrap().tokens, first, "{:?}: same seed, same tokens", req.sampling);
+    }
+    let greedy = GenerateRequest { sampling: Default::default(), logprobs: Some(5), ..req.clone() };
+    let plain = engine.generate_raw(&GenerateRequest { logprobs: None, ..greedy.clone() }).unwrap();
+    let with_logprobs = engine.generate_raw(&greedy).unwrap();
+    assert_eq!(with_logprobs.tokens, plain.tokens, "logprobs leave the greedy choice alone");
+    for (lp, &token) in with_logprobs.logprobs.iter().zip(&with_logprobs.tokens) {
+        assert!(lp.token == token && lp.top.len() == 5 && lp.top[0].0 == token && lp.logprob <= 0.0, "{lp:?}");
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1) && (lp.top[0].1 - lp.logprob).abs() < 1e-6);
+    }
 }
 
 #[test]
@@ -407,6 +437,8 @@ fn token_masks_restrict_argmax_and_top_k_as_on_the_cpu() {
             assert!(mask[want as usize / 32] >> (want % 32) & 1 == 1);
             let top_c: Vec<_> = c.top_k(&logits.cpu, 20, limit).unwrap().into_iter().filter(|t| t.1.is_finite()).collect();
             assert_eq!(g.top_k(&logits.gpu, 20, limit).unwrap(), top_c, "top_k, {allowed} allowed, limit {limit}");
+            let (zc, zg) = (c.log_partition(&logits.cpu, limit, 0.8).unwrap(), g.log_partition(&logits.gpu, limit, 0.8).unwrap());
+            assert!((zc.at_temperature - zg.at_temperature).abs() < 1e-4 && (zc.raw - zg.raw).abs() < 1e-4, "log_partition, {allowed} allowed: {zg:?} vs {zc:?}");
         }
     }
     // No mask: the plain argmax again.
@@ -473,6 +505,29 @@ fn constrained_greedy_answers_match_on_cpu_and_gpu() {
     let v: serde_json::Value = serde_json::from_str(&gpu_text).unwrap_or_else(|e| panic!("{gpu_text:?}: {e}"));
     assert!(v["color"].is_string() && v["ok"].is_boolean() && v["n"].is_u64(), "{v}");
     assert_eq!(gpu_text, cpu_text, "constrained greedy answers: GPU {gpu_text:?}, CPU {cpu_text:?}");
+}
+
+#[test]
+fn constrained_sampling_on_the_device_validates() {
+    if gpu().is_none() {
+        return;
+    }
+    // Top-p without top-k and top-k with logprobs, under a schema: the mask is computed while the
+    // device runs each step and set before the candidates are taken there.
+    let schema = serde_json::json!({"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["color", "n"], "additionalProperties": false});
+    let mut engine = Engine::load(&EngineOptions { device: Device::Cuda, ..EngineOptions::new(fixture("chat_tiny")) }, &mut |_| {}).unwrap();
+    for extra in [serde_json::json!({"top_p": 0.9, "top_k": 0}), serde_json::json!({"top_k": 20, "logprobs": true, "top_logprobs": 3})] {
+        let mut request = serde_json::json!({"messages": [{"role": "user", "content": "JSON please"}], "temperature": 0.9, "seed": 3,
+            "max_tokens": 200, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}});
+        request.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let req = atlas::api::ChatRequest::from_json(&request).unwrap();
+        let r = atlas::api::chat_completion(&mut engine, &req, &mut |_| true).unwrap();
+        assert_eq!(atlas::api::chat_completion(&mut engine, &req, &mut |_| true).unwrap()["choices"], r["choices"], "{extra}: seeded, reproducible");
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+        let v: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{extra}: {text:?}: {e}"));
+        assert!(v["color"].is_string() && v["n"].as_u64().is_some_and(|n| n < 100), "{extra}: {v}");
+    }
 }
 
 // ---- Qwen3.5 hybrid ops: conv1d with state, the gated delta rule, gated RMSNorm, sigmoid gates,

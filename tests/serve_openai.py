@@ -318,6 +318,13 @@ def text_completions():
     lp = ids.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == ids.usage.completion_tokens, lp
     assert all(len(t) <= 2 for t in lp.top_logprobs), lp
+    # Streamed, each token's entry comes in a chunk of its own, offsets running on.
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=[72, 101, 108], temperature=0, max_tokens=4, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert all(len(s.tokens) == 1 for s in streamed), streamed
+    assert [t for s in streamed for t in s.tokens] == lp.tokens, (streamed, lp)
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset, (streamed, lp)
     # A JSON schema holds here too.
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
     r = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=60, temperature=1.0, seed=4,

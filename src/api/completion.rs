@@ -6,11 +6,14 @@
 //! for fill-in-the-middle with the tokenizer's `<|fim_prefix|>`, `<|fim_suffix|>` and
 //! `<|fim_middle|>` tokens (Qwen coder models), prefix-suffix-middle order.
 
+use std::cell::RefCell;
+
 use serde_json::{json, Map, Value};
 
 use super::{per_second, random_id, request::ChatRequest, sampling, ChunkSink};
 use crate::engine::{check_fits, Engine, FinishReason, Frontend, GenerateRequest};
 use crate::sampling::TokenLogprob;
+use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
 /// OpenAI's default `max_tokens` for text completions.
@@ -177,15 +180,26 @@ pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chun
         grammar: options.grammar.clone(),
         logprobs: request.logprobs,
     };
-    let mut failed = None;
-    let generation = engine.generate(&gen, &mut |p| match send(object(piece(p))) {
-        Ok(()) => true,
-        Err(e) => {
-            failed = Some(e);
-            false
-        }
-    });
-    let generation = match (generation, failed) {
+    // Text and each token's log-probabilities stream as they come (a chunk of its own per token,
+    // its text_offset counted from the start of the answer); both callbacks share the stream.
+    let tokenizer = request.logprobs.map(|_| engine.tokenizer().cloned()).transpose()?;
+    let start = if request.echo { prompt_text.len() } else { 0 };
+    let (send, failed, offset) = (RefCell::new(send), RefCell::new(None), RefCell::new(start));
+    let generation = engine.generate_with_logprobs(
+        &gen,
+        &mut |p| (send.borrow_mut())(object(piece(p))).map_err(|e| *failed.borrow_mut() = Some(e)).is_ok(),
+        &mut |lp| {
+            let Some(tok) = tokenizer.as_ref().filter(|_| options.stream) else { return true };
+            let mut at = offset.borrow_mut();
+            let chunk = legacy_logprobs(tok, std::slice::from_ref(lp), *at).and_then(|(entry, end)| {
+                *at = end;
+                (send.borrow_mut())(object(json!([{"text": "", "index": 0, "logprobs": entry, "finish_reason": null}])))
+            });
+            chunk.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
+        },
+    );
+    let mut send = send.into_inner();
+    let generation = match (generation, failed.into_inner()) {
         (_, Some(e)) | (Err(e), None) => return Err(e),
         (Ok(g), None) => g,
     };
@@ -194,8 +208,8 @@ pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chun
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
     };
-    let logprobs = match request.logprobs {
-        Some(_) => legacy_logprobs(engine, &generation.logprobs, if request.echo { prompt_text.len() } else { 0 })?,
+    let logprobs = match &tokenizer {
+        Some(tok) => legacy_logprobs(tok, &generation.logprobs, start)?.0,
         None => Value::Null,
     };
     let completion_tokens = generation.tokens.len();
@@ -204,7 +218,8 @@ pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chun
                        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}});
     let timings = json!({"cache_n": generation.cached_tokens, "prompt_ms": generation.prompt_ms, "predicted_n": completion_tokens,
                          "predicted_ms": generation.decode_ms, "predicted_per_second": per_second(completion_tokens, generation.decode_ms)});
-    send(object(json!([{"text": "", "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}])))?;
+    // Streamed, the log-probabilities went out token by token.
+    send(object(json!([{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason}])))?;
     if options.include_usage {
         let mut last = object(json!([]));
         last["usage"] = usage.clone();
@@ -217,9 +232,9 @@ pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chun
 }
 
 /// The legacy endpoint's logprobs: parallel lists of token texts, their log-probabilities, their
-/// top alternatives (text → log-probability) and their offsets in the answer's text.
-fn legacy_logprobs(engine: &Engine, logprobs: &[TokenLogprob], start: usize) -> Result<Value> {
-    let tok = engine.tokenizer()?;
+/// top alternatives (text → log-probability) and their offsets in the answer's text, the first at
+/// `start`; and the offset past the last token's text.
+fn legacy_logprobs(tok: &Tokenizer, logprobs: &[TokenLogprob], start: usize) -> Result<(Value, usize)> {
     let (mut tokens, mut values, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut offset = start;
     for t in logprobs {
@@ -234,7 +249,7 @@ fn legacy_logprobs(engine: &Engine, logprobs: &[TokenLogprob], start: usize) -> 
         }
         tops.push(Value::Object(top));
     }
-    Ok(json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}))
+    Ok((json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}), offset))
 }
 
 #[cfg(test)]

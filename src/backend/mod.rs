@@ -4,6 +4,7 @@
 pub mod cpu;
 pub mod gpu;
 
+use crate::sampling::{Cut, LogPartition};
 use crate::quant::QuantMatrix;
 use crate::Result;
 
@@ -113,21 +114,43 @@ impl std::fmt::Display for Capability {
 }
 
 /// What a decode step hands back to the host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StepOutput {
     /// Every logit, for sampling on the host.
     Logits,
     /// Only the index of the largest logit among the first `limit` (greedy decoding).
     Argmax { limit: usize },
-    /// The `k` largest logits among the first `limit`, as (id, logit), largest first (top-k sampling).
-    TopK { k: usize, limit: usize },
+    /// The `k` largest logits among the first `limit`, as (id, logit), largest first (top-k
+    /// sampling), with their log-partition at `temperature` when Some; every logit instead (as
+    /// the choice sees them: biases added, the mask applied) when `cut` does not fall among them.
+    TopK { k: usize, limit: usize, temperature: Option<f32>, cut: Option<Cut> },
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepResult {
     Logits(Vec<f32>),
     Token(u32),
-    Candidates(Vec<(u32, f32)>),
+    Candidates(Vec<(u32, f32)>, Option<LogPartition>),
+}
+
+/// The result of a TopK step from `best`, the k largest of `logits` already taken (see
+/// `StepOutput::TopK`): the log-partition added when asked for, or every logit when the cut
+/// falls past the k. `logits` are those `best` came from (their biases added where the backend
+/// adds them in place).
+pub fn candidates_result<B: Backend + ?Sized>(
+    b: &B,
+    logits: &B::Tensor,
+    best: Vec<(u32, f32)>,
+    limit: usize,
+    temperature: Option<f32>,
+    cut: Option<Cut>,
+) -> Result<StepResult> {
+    let Some(t) = temperature else { return Ok(StepResult::Candidates(best, None)) };
+    let partition = b.log_partition(logits, limit, t)?;
+    if cut.is_some_and(|c| !c.falls_within(&best, t, partition)) {
+        return Ok(StepResult::Logits(b.chosen_logits(logits)?));
+    }
+    Ok(StepResult::Candidates(best, Some(partition)))
 }
 
 pub trait Backend: Send + Sync {
@@ -349,16 +372,28 @@ pub trait Backend: Send + Sync {
         Ok(crate::sampling::top_k(&self.to_host(x)?, k, limit))
     }
 
-    /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
-    /// backend supports it. `replay_decode` runs the recorded step for (token, pos), or returns
-    /// None when nothing is recorded.
-    fn replay_decode(&self, _token: u32, _pos: usize, _want: StepOutput) -> Result<Option<StepResult>> {
-        Ok(None)
+    /// The log-partition of the first `limit` values of a `[1, n]` tensor, over the ids the token
+    /// mask allows and with the biases added, as the last `argmax` or `top_k` of `x` saw them.
+    fn log_partition(&self, x: &Self::Tensor, limit: usize, temperature: f32) -> Result<LogPartition> {
+        Ok(LogPartition::of(&self.chosen_logits(x)?, limit, temperature))
     }
 
-    /// Runs `step` (the model's decode step, returning `[1, vocab]` logits) while recording it,
+    /// The values of a `[1, n]` tensor as the last `argmax` or `top_k` of it saw them: biases
+    /// added, ids outside the token mask at -inf.
+    fn chosen_logits(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
+        self.to_host(x)
+    }
+
+    /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
+    /// backend supports it. `replay_decode` queues the recorded step for (token, pos) and returns
+    /// true, or false when nothing is recorded; `recorded_output` then hands back its output.
+    fn replay_decode(&self, _token: u32, _pos: usize, _want: StepOutput) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Queues `step` (the model's decode step, returning `[1, vocab]` logits) while recording it,
     /// with token and position read from device memory so the recording fits every later step.
-    /// Returns None, without running `step`, where recording is not supported.
+    /// Returns false, without running `step`, where recording is not supported.
     fn record_decode(
         &self,
         _token: u32,
@@ -366,8 +401,14 @@ pub trait Backend: Send + Sync {
         _vocab: usize,
         _want: StepOutput,
         _step: &mut dyn FnMut() -> Result<Self::Tensor>,
-    ) -> Result<Option<StepResult>> {
-        Ok(None)
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// The output of the step just replayed or recorded. `mask_changed`: the token mask was set
+    /// after the step was queued, so a choice the recording made is made again.
+    fn recorded_output(&self, _want: StepOutput, _mask_changed: bool) -> Result<StepResult> {
+        Err(crate::Error::Unsupported(format!("recorded decode steps on {}", self.describe())))
     }
 }
 

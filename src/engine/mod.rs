@@ -19,8 +19,8 @@ use crate::gguf::GgufStore;
 use crate::grammar::{GrammarSpec, GrammarVocab};
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
-use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, ModelConfig, WeightSource};
-use crate::sampling::{Sampler, SamplingParams, TokenLogprob};
+use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, Meanwhile, ModelConfig, WeightSource};
+use crate::sampling::{DeviceChoice, Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
 
@@ -402,45 +402,65 @@ impl Engine {
         }
         self.cached.truncate(reuse);
         let t0 = Instant::now();
-        // Plain greedy decoding takes the argmax where the logits are, and top-k sampling only
-        // the k best logits from there, a grammar's mask of allowed tokens sent there first when
-        // the backend takes one; anything else (logprobs too) samples from every logit on the host.
-        // The same for a request's logit_bias: added where the logits are when the choice is made
-        // there.
+        // The choice is made where the logits are when it can be (greedy: the argmax; top-k, and
+        // top-p / min-p whose cut falls among the 64 best: those candidates and the
+        // log-partition), a grammar's mask of allowed tokens sent there first, computed while the
+        // device runs the step. Penalties, plain temperature sampling and logprobs beside biases
+        // sample from every logit on the host, masked there. A request's logit_bias is added
+        // where the choice is made.
         let bias = req.sampling.logit_bias.clone();
-        let device_choice = req.logprobs.is_none() && (sampler.is_plain_greedy() || sampler.device_top_k().is_some());
-        let device_mask = constraint.is_some() && device_choice && self.model.set_token_mask(None)?;
-        let on_host = req.logprobs.is_some() || (constraint.is_some() && !device_mask) || !device_choice;
-        if !bias.is_empty() && (on_host || !self.model.set_logit_bias(&bias)?) {
+        let mut choice = sampler.device_choice(req.logprobs);
+        if constraint.is_some() && choice.is_some() && !self.model.set_token_mask(None)? {
+            choice = None;
+        }
+        // Log-probabilities are of the unbiased logits, which the device no longer has.
+        if !bias.is_empty() && choice.is_some() && (req.logprobs.is_some() || !self.model.set_logit_bias(&bias)?) {
+            choice = None;
+        }
+        if choice.is_none() && !bias.is_empty() {
             sampler.set_logit_bias(bias);
         }
-        let greedy = sampler.is_plain_greedy() && !on_host;
-        let top_k = sampler.device_top_k().filter(|_| !on_host);
+        let limit = sampler.vocab_limit();
+        let want = match choice {
+            None => StepOutput::Logits,
+            Some(DeviceChoice::Argmax) => StepOutput::Argmax { limit },
+            Some(DeviceChoice::TopK { k, temperature, cut }) => StepOutput::TopK { k, limit, temperature, cut },
+        };
         // The next token, and its log-probabilities when the request asks for them.
         let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| -> Result<(u32, Option<TokenLogprob>)> {
-            if greedy || top_k.is_some() {
-                if let Some(c) = constraint.as_mut() {
-                    model.set_token_mask(Some(&c.allowed()?))?;
+            let mut host_mask = None;
+            let result = model.step_with(tokens, pos, want, &mut || {
+                let Some(c) = constraint.as_mut() else { return Ok(None) };
+                let words = c.allowed()?;
+                if choice.is_some() {
+                    return Ok(Some(words));
                 }
-                let token = match top_k {
-                    Some(k) => sampler.sample_top_k(model.forward_top_k(tokens, pos, k, sampler.vocab_limit())?),
-                    None => model.forward_greedy(tokens, pos, sampler.vocab_limit())?,
-                };
-                if let Some(c) = constraint.as_mut() {
-                    c.accept(token)?;
+                host_mask = Some(words);
+                Ok(None)
+            })?;
+            let (token, logprob) = match result {
+                StepResult::Token(token) => (token, None),
+                StepResult::Candidates(best, partition) => {
+                    let token = sampler
+                        .sample_candidates(&best, partition)
+                        .ok_or_else(|| Error::Device("the device's candidates do not settle the top-p / min-p cut".into()))?;
+                    let lp = req.logprobs.zip(partition).map(|(top, z)| TokenLogprob::from_candidates(&best, z.raw, token, top));
+                    (token, lp)
                 }
-                return Ok((token, None));
-            }
-            let mut logits = model.forward(tokens, pos)?;
-            if let Some(c) = constraint.as_mut() {
-                c.mask(&mut logits)?;
-            }
-            let before = req.logprobs.map(|_| logits.clone());
-            let token = sampler.sample(&mut logits, history, prompt.len());
+                // Every logit: a host choice, or a top-p / min-p cut past the device's candidates
+                // (those logits come with the mask and biases applied; the sampler adds none).
+                StepResult::Logits(mut logits) => {
+                    if let Some(words) = &host_mask {
+                        crate::backend::apply_token_mask(&mut logits, words);
+                    }
+                    let before = req.logprobs.map(|_| logits.clone());
+                    let token = sampler.sample(&mut logits, history, prompt.len());
+                    (token, before.zip(req.logprobs).map(|(logits, top)| TokenLogprob::new(&logits, limit, token, top)))
+                }
+            };
             if let Some(c) = constraint.as_mut() {
                 c.accept(token)?;
             }
-            let logprob = before.zip(req.logprobs).map(|(logits, top)| TokenLogprob::new(&logits, sampler.vocab_limit(), token, top));
             Ok((token, logprob))
         };
         let mut history = prompt.clone();
@@ -675,8 +695,8 @@ impl LanguageModel for Noted {
     fn config(&self) -> &ModelConfig {
         self.inner.config()
     }
-    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
-        self.inner.step(tokens, start_pos, want)
+    fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
+        self.inner.step_with(tokens, start_pos, want, meanwhile)
     }
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
         self.inner.set_token_mask(mask)

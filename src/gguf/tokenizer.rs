@@ -121,6 +121,7 @@ pub(crate) fn build(file: &GgufFile) -> Result<Tokenizer> {
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merge_pairs)
         .ignore_merges(ignore_merges)
+        .cache_capacity(crate::tokenizer::BPE_CACHE_WORDS)
         .build()
         .map_err(|e| bad(format!("cannot build the BPE tokenizer: {e}")))?;
 

@@ -25,7 +25,14 @@ pub trait LanguageModel: Send {
     /// Runs `tokens` at positions `start_pos..` and returns the last position's logits, or only
     /// their argmax (computed where the logits are). Positions from `start_pos` on are overwritten;
     /// earlier ones must come from earlier calls.
-    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult>;
+    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
+        self.step_with(tokens, start_pos, want, &mut || Ok(None))
+    }
+
+    /// `step`, with `meanwhile` run on the host while the device works on the step (a grammar's
+    /// next mask is computed there); a mask it returns is set, as by `set_token_mask`, before the
+    /// step's token or candidates are chosen.
+    fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult>;
 
     fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
         match self.step(tokens, start_pos, StepOutput::Logits)? {
@@ -42,13 +49,6 @@ pub trait LanguageModel: Send {
         }
     }
 
-    /// The `k` largest of the first `limit` logits as (id, logit), largest first.
-    fn forward_top_k(&mut self, tokens: &[u32], start_pos: usize, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
-        match self.step(tokens, start_pos, StepOutput::TopK { k, limit })? {
-            StepResult::Candidates(c) => Ok(c),
-            _ => Err(Error::Device("the backend did not return candidates".into())),
-        }
-    }
     /// See `Backend::set_token_mask`: Ok(false) where the backend cannot (the caller then masks
     /// the logits on the host).
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool>;
@@ -59,6 +59,9 @@ pub trait LanguageModel: Send {
     /// one state for the positions so far: they continue from its end or start again at 0.
     fn can_rewind(&self) -> bool;
 }
+
+/// Host work overlapped with a step; see `LanguageModel::step_with`.
+pub type Meanwhile<'a> = dyn FnMut() -> Result<Option<Vec<u32>>> + 'a;
 
 /// What one layer remembers of earlier positions.
 pub enum LayerCache<B: Backend> {
@@ -185,7 +188,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         !self.recurrent
     }
 
-    fn step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
+    fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("no tokens to run".into()));
         }
@@ -203,7 +206,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         }
         self.prepare_recurrent(start_pos)?;
         let end = start_pos + tokens.len();
-        let out = self.run_step(tokens, start_pos, want)?;
+        let out = self.run_step(tokens, start_pos, want, meanwhile)?;
         self.recurrent_at = Some(end);
         Ok(out)
     }
@@ -222,30 +225,53 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
 }
 
 impl<B: Backend + 'static> Bound<B> {
-    fn run_step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput) -> Result<StepResult> {
+    /// Queues the step (a recorded decode graph where one fits), runs `meanwhile` while the
+    /// device works, sets the mask it returns, then makes the choice.
+    fn run_step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
         let vocab = self.model.config().vocab_size;
-        let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable) {
-            if let Some(out) = b.replay_decode(*token, start_pos, want)? {
-                return Ok(out);
-            }
-            let mut step = || model.forward(b, tokens, start_pos, cache);
-            match b.record_decode(*token, start_pos, vocab, want, &mut step) {
-                Ok(Some(out)) => return Ok(out),
-                Ok(None) => {}
-                // The driver could not record this step (nothing ran): run it, and the later
-                // ones, without a graph. Errors of the request itself are returned.
-                Err(Error::Device(_) | Error::Unsupported(_)) => self.recordable = false,
-                Err(e) => return Err(e),
+            let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
+            let queued = match b.replay_decode(*token, start_pos, want)? {
+                true => true,
+                false => {
+                    let mut step = || model.forward(b, tokens, start_pos, cache);
+                    match b.record_decode(*token, start_pos, vocab, want, &mut step) {
+                        Ok(recorded) => recorded,
+                        // The driver could not record this step (nothing ran): run it, and the
+                        // later ones, without a graph. Errors of the request itself are returned.
+                        Err(Error::Device(_) | Error::Unsupported(_)) => {
+                            self.recordable = false;
+                            false
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            if queued {
+                let mask_changed = set_mask(&self.backend, meanwhile)?;
+                return self.backend.recorded_output(want, mask_changed);
             }
         }
         self.passes += 1;
+        let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
         let logits = model.forward(b, tokens, start_pos, cache)?;
+        set_mask(b, meanwhile)?;
         Ok(match want {
             StepOutput::Logits => StepResult::Logits(b.to_host(&logits)?),
             StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
-            StepOutput::TopK { k, limit } => StepResult::Candidates(b.top_k(&logits, k, limit)?),
+            StepOutput::TopK { k, limit, temperature, cut } => {
+                let best = b.top_k(&logits, k, limit)?;
+                crate::backend::candidates_result(b, &logits, best, limit, temperature, cut)?
+            }
         })
+    }
+}
+
+/// Runs `meanwhile` and sets the mask it returns; whether it did.
+fn set_mask<B: Backend>(b: &B, meanwhile: &mut Meanwhile<'_>) -> Result<bool> {
+    match meanwhile()? {
+        Some(mask) => b.set_token_mask(Some(&mask)).map(|()| true),
+        None => Ok(false),
     }
 }
 

@@ -494,6 +494,10 @@ impl Backend for CpuBackend {
         Ok(crate::sampling::top_k(&self.masked(x), k, limit))
     }
 
+    fn chosen_logits(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(self.masked(x))
+    }
+
     fn last_row(&self, x: &CpuTensor) -> Result<CpuTensor> {
         if x.rows == 0 {
             return Err(Error::InvalidArgument("last_row of an empty tensor".into()));

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use self::runtime::{Arg, Runtime};
 use super::{AttentionShape, Backend, Capability, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
-use crate::sampling::MAX_DEVICE_TOP_K;
+use crate::sampling::{LogPartition, MAX_DEVICE_TOP_K};
 use crate::quant::{DType, QuantMatrix};
 use crate::{Error, Result};
 
@@ -186,6 +186,7 @@ const MAX_KV_HEADS: usize = 1024;
 const MAX_HEAD_DIM: usize = 256;
 const ARGMAX_BLOCKS: u32 = 128;
 const TOPK_BLOCKS: u32 = 128;
+const LOGZ_BLOCKS: u32 = 128;
 /// TOPK_MAX of kernels/sampling.hip.
 const TOPK_PARTIAL: usize = TOPK_BLOCKS as usize * MAX_DEVICE_TOP_K;
 
@@ -202,7 +203,10 @@ impl Scratch {
     const TOPK_I: u64 = Self::TOPK_V + TOPK_PARTIAL as u64 * 4;
     const TOPK_OUT_V: u64 = Self::TOPK_I + TOPK_PARTIAL as u64 * 4;
     const TOPK_OUT_I: u64 = Self::TOPK_OUT_V + MAX_DEVICE_TOP_K as u64 * 4;
-    const BYTES: usize = (Self::TOPK_OUT_I + MAX_DEVICE_TOP_K as u64 * 4) as usize;
+    const LOGZ_TICKET: u64 = Self::TOPK_OUT_I + MAX_DEVICE_TOP_K as u64 * 4;
+    const LOGZ_PART: u64 = Self::LOGZ_TICKET + 4;
+    const LOGZ_OUT: u64 = Self::LOGZ_PART + 3 * LOGZ_BLOCKS as u64 * 4;
+    const BYTES: usize = (Self::LOGZ_OUT + 2 * 4) as usize;
 }
 
 fn blocks(n: usize, per: u32) -> u32 {
@@ -264,7 +268,8 @@ impl GpuBackend {
         let ptr = d.inputs.as_ref().map_or(0, |b| b.ptr);
         let limit = match want {
             StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
-            StepOutput::Logits | StepOutput::TopK { .. } => i32::MAX,
+            // The recording's argmax then reads nothing: the choice is made after the replay.
+            StepOutput::Logits | StepOutput::TopK { .. } => 0,
         };
         let mut bytes = [0u8; 12];
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
@@ -443,22 +448,24 @@ impl GpuBackend {
     }
 
     /// What the last run of the recorded step left: its logits or its argmax.
-    fn recorded_output(&self, want: StepOutput) -> Result<StepResult> {
+    fn recorded_step_output(&self, want: StepOutput, mask_changed: bool) -> Result<StepResult> {
         let d = self.decode_state();
+        let missing = || Error::Device("no recorded decode step".into());
         match want {
-            StepOutput::Logits => {
-                let logits = d.logits.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
-                Ok(StepResult::Logits(self.to_host(logits)?))
-            }
-            StepOutput::Argmax { .. } => {
-                let token = d.token.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
+            StepOutput::Logits => Ok(StepResult::Logits(self.to_host(d.logits.as_ref().ok_or_else(missing)?)?)),
+            StepOutput::Argmax { limit } => {
+                let token = d.token.as_ref().ok_or_else(missing)?;
+                if mask_changed {
+                    // The recording chose under the previous mask: choose again (biases added).
+                    self.launch_argmax(d.logits.as_ref().ok_or_else(missing)?, limit, 0, token.ptr)?;
+                }
                 Ok(StepResult::Token(self.download_token(token.ptr)?))
             }
-            // Selected after the replay, from the recorded step's logits.
-            StepOutput::TopK { k, limit } => {
-                let logits = d.logits.as_ref().ok_or_else(|| Error::Device("no recorded decode step".into()))?;
-                // The recorded step has added the biases already.
-                Ok(StepResult::Candidates(self.select_top_k(logits, k, limit)?))
+            // Selected after the replay, from the recorded step's logits (the biases added there).
+            StepOutput::TopK { k, limit, temperature, cut } => {
+                let logits = d.logits.as_ref().ok_or_else(missing)?;
+                let best = self.select_top_k(logits, k, limit)?;
+                super::candidates_result(self, logits, best, limit, temperature, cut)
             }
         }
     }
@@ -1083,6 +1090,38 @@ impl Backend for GpuBackend {
         self.select_top_k(x, k, limit)
     }
 
+    // argmax and top_k add the biases to x in place: what follows sees them already added.
+    fn log_partition(&self, x: &GpuTensor, limit: usize, temperature: f32) -> Result<LogPartition> {
+        if x.rows != 1 || temperature.is_nan() || temperature <= 0.0 {
+            return Ok(LogPartition::of(&self.chosen_logits(x)?, limit, temperature));
+        }
+        let base = self.tickets()?;
+        let args = [
+            Arg::Ptr(x.buf.ptr),
+            Arg::I32(x.cols as i32),
+            Arg::I32(limit.min(i32::MAX as usize) as i32),
+            Arg::Ptr(self.token_mask_ptr()),
+            Arg::F32(1.0 / temperature),
+            Arg::Ptr(base + Scratch::LOGZ_PART),
+            Arg::Ptr(base + Scratch::LOGZ_TICKET),
+            Arg::Ptr(base + Scratch::LOGZ_OUT),
+        ];
+        self.rt.launch("log_partition", [LOGZ_BLOCKS, 1, 1], [256, 1, 1], 0, &args)?;
+        let mut bytes = [0u8; 8];
+        self.rt.download(base + Scratch::LOGZ_OUT, &mut bytes)?;
+        let at_temperature = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        let raw = f32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        Ok(LogPartition { at_temperature, raw })
+    }
+
+    fn chosen_logits(&self, x: &GpuTensor) -> Result<Vec<f32>> {
+        let mut values = self.to_host(x)?;
+        if let Some(mask) = self.host_token_mask()? {
+            super::apply_token_mask(&mut values, &mask);
+        }
+        Ok(values)
+    }
+
     fn set_logit_bias(&self, bias: &[(u32, f32)]) -> Result<()> {
         if bias.is_empty() {
             return self.put_step_list(&self.logit_bias, None);
@@ -1096,12 +1135,16 @@ impl Backend for GpuBackend {
         self.put_step_list(&self.logit_bias, Some((bias.len(), capacity, &bytes)))
     }
 
-    fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<Option<StepResult>> {
+    fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<bool> {
         let exec = self.decode_state().exec;
-        let Some(exec) = exec else { return Ok(None) };
+        let Some(exec) = exec else { return Ok(false) };
         self.set_inputs(token, pos, want)?;
         self.rt.launch_graph(exec)?;
-        self.recorded_output(want).map(Some)
+        Ok(true)
+    }
+
+    fn recorded_output(&self, want: StepOutput, mask_changed: bool) -> Result<StepResult> {
+        self.recorded_step_output(want, mask_changed)
     }
 
     fn record_decode(
@@ -1111,7 +1154,7 @@ impl Backend for GpuBackend {
         vocab: usize,
         want: StepOutput,
         step: &mut dyn FnMut() -> Result<GpuTensor>,
-    ) -> Result<Option<StepResult>> {
+    ) -> Result<bool> {
         self.forget_recording();
         // The outputs live outside the graph: it ends by copying the logits there and by taking
         // their argmax, so a replay hands back either.
@@ -1127,7 +1170,7 @@ impl Backend for GpuBackend {
             }
             d.arena_used = 0;
         }
-        let Ok(capture) = Capture::begin(self) else { return Ok(None) };
+        let Ok(capture) = Capture::begin(self) else { return Ok(false) };
         step().and_then(|out| {
             if (out.rows, out.cols) != (1, vocab) {
                 return Err(Error::InvalidArgument(format!("decode step returned [{}, {}]", out.rows, out.cols)));
@@ -1153,8 +1196,7 @@ impl Backend for GpuBackend {
         } else {
             d.exec = Some(exec);
         }
-        drop(d);
-        self.recorded_output(want).map(Some)
+        Ok(true)
     }
 }
 
