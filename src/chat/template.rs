@@ -153,6 +153,7 @@ impl ChatTemplate {
             let template = env.get_template(TEMPLATE_NAME).map_err(template_error)?;
             let mut out = LimitedWriter::new(MAX_RENDER_BYTES);
             let rendered = template.render_captured_to(Serde(&ctx), &mut out).map(drop);
+            break_namespace_cycles();
             match rendered {
                 Ok(()) => String::from_utf8(out.buf).map_err(|e| Error::Template(format!("the template wrote invalid UTF-8: {e}"))),
                 Err(_) if out.exceeded => Err(too_large("the rendered prompt")),
@@ -276,9 +277,44 @@ fn build_environment(source: String) -> Result<Environment<'static>> {
     env.add_filter("pprint", |state: &State, value: Value| py_str(Some(state), &value));
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
+    env.add_function("namespace", tracked_namespace);
     env.add_template_owned(TEMPLATE_NAME, source)
         .map_err(template_error)?;
     Ok(env)
+}
+
+thread_local! {
+    /// The namespaces a render on this thread has made, emptied when it ends.
+    static NAMESPACES: std::cell::RefCell<Vec<Value>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// minijinja's `namespace()`, remembering what it made for `break_namespace_cycles`.
+fn tracked_namespace(defaults: Option<minijinja::value::ValueOrKwargs>) -> std::result::Result<Value, minijinja::Error> {
+    let ns = minijinja::functions::namespace(defaults)?;
+    NAMESPACES.with(|made| made.borrow_mut().push(ns.clone()));
+    Ok(ns)
+}
+
+/// A template can store a namespace inside itself (`{% set ns.me = ns %}`, or `ns|items`, a lazy
+/// view of ns, in ns): a cycle of reference counts that minijinja never frees, so every render
+/// of such a template leaked memory (found by the `chat_template` fuzz target). When a render
+/// ends, every attribute that `{% set ns.name = ... %}` can have written in the namespaces it
+/// made is set to none. Every cycle passes through such an assignment (a namespace's initial
+/// values can only hold what existed before it), so none survives.
+fn break_namespace_cycles() {
+    let made = NAMESPACES.with(|made| std::mem::take(&mut *made.borrow_mut()));
+    let identifier = |k: &str| k.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    let env = Environment::new();
+    for ns in made {
+        let Ok(keys) = ns.try_iter() else { continue };
+        let clears: Vec<String> = keys.filter_map(|k| k.as_str().filter(|k| identifier(k)).map(|k| format!("{{% set ns.{k} = none %}}"))).collect();
+        // One render for all; one each when a name does not parse as an attribute (a keyword).
+        if env.render_str(&clears.concat(), minijinja::context! { ns => ns.clone() }).is_err() {
+            for clear in &clears {
+                let _ = env.render_str(clear, minijinja::context! { ns => ns.clone() });
+            }
+        }
+    }
 }
 
 /// transformers' AssistantTracker adds `{% generation %}...{% endgeneration %}`, which marks the
@@ -1344,6 +1380,33 @@ mod tests {
     /// Hostile templates (a model file brings its own) end in an error, quickly and without
     /// exhausting memory or the stack. Found by fuzz/fuzz_targets/chat_template.rs before any
     /// limit was set: endless loops, gigabytes of output, a list nested a million deep.
+    /// Found by the chat_template fuzz target (a leak under LeakSanitizer): namespaces stored in
+    /// themselves, directly or through `ns|items`, are emptied when the render ends.
+    #[test]
+    fn namespace_cycles_are_broken_after_a_render() {
+        let found = "{% set ns = namespace(n=0, s='s') %}{% for m in messages[::-1] %}{% set ns.n = ns|items %}\
+                     {% set ns.s = ns.s ~ m.role %}{% endfor %}{{ ns.x }}{{ ns.s|upper|unique }}";
+        let env = build_environment(found.to_string()).unwrap();
+        let messages = json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]);
+        let out = env.get_template(TEMPLATE_NAME).unwrap().render(minijinja::context! { messages => Serde(&messages) }).unwrap();
+        assert!(!out.is_empty());
+        let self_held = "{% set ns = namespace(a=1) %}{% set ns.me = ns %}{% set ns.if_ = [ns] %}{{ ns.a }}";
+        let env = build_environment(self_held.to_string()).unwrap();
+        assert_eq!(env.get_template(TEMPLATE_NAME).unwrap().render(minijinja::context! {}).unwrap(), "1");
+        let made: Vec<Value> = NAMESPACES.with(|m| m.borrow().clone());
+        assert_eq!(made.len(), 2, "both renders' namespaces are tracked until broken");
+        break_namespace_cycles();
+        for ns in &made {
+            for key in ns.try_iter().unwrap() {
+                assert!(ns.get_item(&key).unwrap().is_none(), "{key} still holds a value");
+            }
+        }
+        assert!(NAMESPACES.with(|m| m.borrow().is_empty()));
+        // Through ChatTemplate::render, which breaks them itself.
+        let template = ChatTemplate::new(self_held, None, None).unwrap();
+        assert_eq!(template.render(&messages, None, false, &Default::default()).unwrap(), "1");
+    }
+
     #[test]
     fn hostile_templates_end_in_errors() {
         let start = std::time::Instant::now();

@@ -282,8 +282,17 @@ impl Engine {
     /// As [`Engine::forward`], but returns only the greedy next token (the argmax over every logit),
     /// computed where the logits are: on a GPU only the id crosses to the host.
     pub fn forward_greedy(&mut self, tokens: &[u32], start_pos: usize) -> Result<u32> {
+        self.forward_greedy_masked(tokens, start_pos, &mut || Ok(None))
+    }
+
+    /// As [`Engine::forward_greedy`], with `mask` run while the device works on the step: the
+    /// token mask it returns (see `set_token_mask`) is in force for this choice and later ones.
+    pub fn forward_greedy_masked(&mut self, tokens: &[u32], start_pos: usize, mask: &mut Meanwhile<'_>) -> Result<u32> {
         self.prepare_forward(tokens, start_pos)?;
-        let token = self.model.forward_greedy(tokens, start_pos, usize::MAX)?;
+        let token = match self.model.step_with(tokens, start_pos, StepOutput::Argmax { limit: usize::MAX }, mask)? {
+            StepResult::Token(t) => t,
+            _ => return Err(Error::Device("the backend did not return a token".into())),
+        };
         self.cached.extend_from_slice(tokens);
         Ok(token)
     }

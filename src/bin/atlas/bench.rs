@@ -134,10 +134,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                     };
                     let mut tok = tokens[0];
                     for i in 0..n {
-                        if let Some(c) = constraint.as_mut() {
-                            engine.set_token_mask(Some(&c.allowed()?))?;
-                        }
-                        tok = engine.forward_greedy(&[tok], depth + i)?;
+                        // The next mask is computed while the device runs the step, as generation does.
+                        tok = engine.forward_greedy_masked(&[tok], depth + i, &mut || match constraint.as_mut() {
+                            Some(c) => c.allowed().map(Some),
+                            None => Ok(None),
+                        })?;
                         if let Some(c) = constraint.as_mut() {
                             c.accept(tok)?;
                         }
