@@ -31,7 +31,15 @@ impl Tokenizer {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let inner = guarded("reading tokenizer.json", || {
             let mut tk = text.parse::<tokenizers::Tokenizer>().map_err(|e| e.to_string())?;
-            if let Some(bpe) = uncached_bpe(&text)? {
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+            let growth = normalizer_growth(&json["normalizer"]);
+            if growth > MAX_NORMALIZER_GROWTH {
+                return Err(format!(
+                    "its normalizer can make a text up to {growth} times longer (the limit is {MAX_NORMALIZER_GROWTH}): \
+                     a prompt could exhaust memory"
+                ));
+            }
+            if let Some(bpe) = uncached_bpe(&json)? {
                 tk.with_model(bpe);
             }
             Ok(tk)
@@ -90,12 +98,43 @@ impl Tokenizer {
 /// same (Qwen3's tokenizer, 67k tokens: 0.12-0.15 s with the cache or without).
 pub(crate) const BPE_CACHE_WORDS: usize = 0;
 
+/// The longest a tokenizer's normalizer may make a text, as a multiple of its length. Real
+/// tokenizers stay far below (NFKC at most 18x, SentencePiece's "▁" for " " 3x, Llama 2's
+/// prepend-and-replace 12x); a hostile tokenizer.json chaining Replace normalizers would grow a
+/// prompt exponentially (found by the tokenizer_json fuzz target: gigabytes from a short text).
+const MAX_NORMALIZER_GROWTH: u64 = 64;
+
+/// An upper bound on how many times longer `normalizer` (tokenizer.json's object) can make a
+/// text: each step's worst case, multiplied along a sequence.
+fn normalizer_growth(n: &serde_json::Value) -> u64 {
+    let text_len = |key: &str| n[key].as_str().map_or(0, str::len) as u64;
+    if let Some(steps) = n["normalizers"].as_array() {
+        return steps.iter().fold(1u64, |g, step| g.saturating_mul(normalizer_growth(step)));
+    }
+    if n.get("pattern").is_some() {
+        let content = text_len("content");
+        // A literal of p bytes becomes the content; a regular expression's match (empty ones
+        // too: the content goes between every character) at worst content + 1 per byte.
+        return match n["pattern"]["String"].as_str() {
+            Some(p) if !p.is_empty() => content.div_ceil(p.len() as u64).max(1),
+            _ => content.saturating_add(1),
+        };
+    }
+    if n.get("prepend").is_some() {
+        return text_len("prepend").saturating_add(1);
+    }
+    match n["type"].as_str() {
+        Some("NFKC" | "NFKD" | "Precompiled") => 18,
+        Some("NFC" | "NFD" | "Lowercase" | "BertNormalizer" | "ByteLevel") => 3,
+        _ => 1,
+    }
+}
+
 /// tokenizer.json's BPE model (already checked by the crate's own parser) built again with
 /// [`BPE_CACHE_WORDS`]; None for other models.
-fn uncached_bpe(text: &str) -> std::result::Result<Option<tokenizers::models::bpe::BPE>, String> {
+fn uncached_bpe(json: &serde_json::Value) -> std::result::Result<Option<tokenizers::models::bpe::BPE>, String> {
     use serde_json::Value;
     use tokenizers::models::bpe::{Vocab, BPE};
-    let json: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
     let model = &json["model"];
     if model["type"] != "BPE" && !(model["type"].is_null() && model.get("merges").is_some()) {
         return Ok(None);
@@ -190,22 +229,54 @@ mod tests {
     fn the_uncached_bpe_encodes_as_the_file_says() {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/chat_tiny/tokenizer.json");
         let text = std::fs::read_to_string(&fixture).unwrap();
-        assert!(uncached_bpe(&text).unwrap().is_some(), "the fixture is a BPE tokenizer");
+        assert!(uncached_bpe(&serde_json::from_str(&text).unwrap()).unwrap().is_some(), "the fixture is a BPE tokenizer");
         let theirs: tokenizers::Tokenizer = text.parse().unwrap();
         let ours = Tokenizer::from_file(&fixture).unwrap();
         let sample = "<|im_start|>user\nHello, wörld 1234 — ok?\n\t  spaces 🦀<|im_end|>";
         let want = theirs.encode(sample, false).unwrap().get_ids().to_vec();
         assert_eq!(ours.encode(sample).unwrap(), want);
         assert_eq!(ours.decode(&want, false).unwrap(), theirs.decode(&want, false).unwrap());
-        assert_eq!(uncached_bpe(r#"{"model": {"type": "WordLevel", "vocab": {"a": 0}}}"#).unwrap(), None);
+        let bpe = |json: &str| uncached_bpe(&serde_json::from_str(json).unwrap());
+        assert_eq!(bpe(r#"{"model": {"type": "WordLevel", "vocab": {"a": 0}}}"#).unwrap(), None);
         // Merges as "a b" strings (older files) or pairs; ranks in file order.
         for merges in [r#"["a b", "ab c"]"#, r#"[["a", "b"], ["ab", "c"]]"#] {
             let json = format!(r#"{{"model": {{"type": "BPE", "vocab": {{"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4}}, "merges": {merges}}}}}"#);
-            let mut tk = tokenizers::Tokenizer::new(uncached_bpe(&json).unwrap().unwrap());
+            let mut tk = tokenizers::Tokenizer::new(bpe(&json).unwrap().unwrap());
             tk.with_pre_tokenizer(None::<tokenizers::PreTokenizerWrapper>);
             assert_eq!(tk.encode("abcab", false).unwrap().get_ids(), [4, 3], "{merges}");
         }
-        assert!(uncached_bpe(r#"{"model": {"type": "BPE", "vocab": {}, "merges": ["a b c"]}}"#).is_err());
+        assert!(bpe(r#"{"model": {"type": "BPE", "vocab": {}, "merges": ["a b c"]}}"#).is_err());
+    }
+
+    /// Found by the tokenizer_json fuzz target (out of memory): Replace normalizers in a sequence,
+    /// each doubling the text, made a short prompt gigabytes long. Such a tokenizer is refused at
+    /// load; real normalizers stay well inside the limit.
+    #[test]
+    fn a_normalizer_that_could_blow_up_a_prompt_is_refused() {
+        use serde_json::json;
+        let doubling = json!({"type": "Replace", "pattern": {"String": " "}, "content": "  "});
+        let empty_match = json!({"type": "Replace", "pattern": {"Regex": ""}, "content": "x".repeat(100)});
+        let llama2 = json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]});
+        assert_eq!(normalizer_growth(&llama2), 12);
+        assert_eq!(normalizer_growth(&json!({"type": "NFC"})), 3);
+        assert_eq!(normalizer_growth(&serde_json::Value::Null), 1);
+        assert_eq!(normalizer_growth(&json!({"type": "Sequence", "normalizers": vec![doubling.clone(); 40]})), 1 << 40);
+
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/chat_tiny/tokenizer.json");
+        let mut tk: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+        let dir = std::env::temp_dir().join(format!("atlas-normalizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        for (normalizer, refused) in [(json!({"type": "Sequence", "normalizers": vec![doubling; 40]}), true), (empty_match, true), (llama2, false)] {
+            tk["normalizer"] = normalizer.clone();
+            std::fs::write(&path, tk.to_string()).unwrap();
+            match Tokenizer::from_file(&path) {
+                Err(e) => assert!(refused && e.to_string().contains("times longer"), "{normalizer}: {e}"),
+                Ok(t) => assert!(!refused && t.encode("a b").is_ok(), "{normalizer} loaded"),
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// Found by fuzz/fuzz_targets/tokenizer_json.rs: a tokenizer.json whose decoder object is cut
