@@ -8,12 +8,25 @@
 
 use serde_json::{Map, Value};
 
-use crate::engine::partial_suffix_len;
-
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
+
+/// Length of the longest suffix of `text` that is a proper prefix of one of `needles`: the part of
+/// a streamed text that must be held back because the next piece may complete a needle.
+pub fn partial_suffix_len(text: &str, needles: &[&str]) -> usize {
+    let mut best = 0;
+    for s in needles {
+        for len in (best + 1..s.len().min(text.len() + 1)).rev() {
+            if s.is_char_boundary(len) && text.is_char_boundary(text.len() - len) && text.ends_with(&s[..len]) {
+                best = len;
+                break;
+            }
+        }
+    }
+    best
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCall {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use frontend::{check_fits, Frontend};
-pub use stop::{partial_suffix_len, StopMatcher, StopOutcome};
+pub use stop::{StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, StepOutput, StepResult};

@@ -1,6 +1,8 @@
 //! Stop strings over streamed text: text that could still become a stop string is held back, so a
 //! stop string never reaches the client, not even in part.
 
+use crate::chat::output::partial_suffix_len;
+
 pub struct StopMatcher {
     stops: Vec<String>,
     pending: String,
@@ -42,21 +44,6 @@ impl StopMatcher {
         let stops: Vec<&str> = self.stops.iter().map(String::as_str).collect();
         partial_suffix_len(&self.pending, &stops)
     }
-}
-
-/// Length of the longest suffix of `text` that is a proper prefix of one of `needles`: the part of
-/// a streamed text that must be held back because the next piece may complete a needle.
-pub fn partial_suffix_len(text: &str, needles: &[&str]) -> usize {
-    let mut best = 0;
-    for s in needles {
-        for len in (best + 1..s.len().min(text.len() + 1)).rev() {
-            if s.is_char_boundary(len) && text.is_char_boundary(text.len() - len) && text.ends_with(&s[..len]) {
-                best = len;
-                break;
-            }
-        }
-    }
-    best
 }
 
 #[cfg(test)]
