@@ -256,3 +256,31 @@ fn response_ids_never_repeat() {
     // SAFETY: a handle atlas_load returned, unloaded once.
     unsafe { atlas_unload(model) };
 }
+
+/// A ctx_size past the model's positions (Lemonade sizes it from free memory) is clamped to them,
+/// and the load report says so, through the C ABI too.
+#[test]
+fn a_context_past_the_model_is_clamped_with_a_note() {
+    let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(4096), ..EngineOptions::new(model_dir()) };
+    let engine = Engine::load(&opts, &mut |_| {}).unwrap();
+    assert_eq!(engine.report().ctx_size, 1024);
+    assert_eq!(engine.report().notes, ["ctx_size 4096 clamped to the model's max_position_embeddings 1024"]);
+    let fits = Engine::load(&EngineOptions { ctx_size: Some(512), ..opts }, &mut |_| {}).unwrap();
+    assert!(fits.report().notes.is_empty() && fits.report().ctx_size == 512);
+
+    let opts = CString::new(json!({"model": model_dir(), "device": "cpu", "ctx_size": 100000}).to_string()).unwrap();
+    let mut model = std::ptr::null_mut();
+    // SAFETY: NUL-terminated options and an out-pointer to a local.
+    assert_eq!(unsafe { atlas_load(opts.as_ptr(), &mut model, std::ptr::null_mut()) }, AtlasStatus::Ok as i32);
+    let mut info: *mut c_char = std::ptr::null_mut();
+    // SAFETY: a loaded model and out-pointers to locals; the string is freed below.
+    assert_eq!(unsafe { atlas::ffi::atlas_model_info(model, &mut info, std::ptr::null_mut()) }, 0);
+    // SAFETY: atlas_model_info returned a NUL-terminated string, freed once read.
+    let text = unsafe { CStr::from_ptr(info) }.to_str().unwrap().to_string();
+    // SAFETY: as above.
+    unsafe { atlas_string_free(info) };
+    let info: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!((info["ctx_size"].as_u64(), info["notes"][0].as_str().map(|n| n.contains("clamped"))), (Some(1024), Some(true)));
+    // SAFETY: the model came from atlas_load and is not used afterwards.
+    unsafe { atlas_unload(model) };
+}

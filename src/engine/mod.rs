@@ -75,6 +75,8 @@ pub struct LoadReport {
     pub has_chat_template: bool,
     /// Parts of the checkpoint a text engine does not use (a vision tower, MTP weights).
     pub unused: Vec<String>,
+    /// What the load changed from what was asked (a ctx_size past the model's positions).
+    pub notes: Vec<String>,
     pub load_ms: f64,
 }
 
@@ -163,7 +165,7 @@ impl Engine {
         let start = Instant::now();
         let path = &opts.model_dir;
         let Parts { config, defaults, tokenizer, template, store, unused } = parts;
-        let ctx_size = resolve_ctx(opts.ctx_size, &config)?;
+        let (ctx_size, notes) = resolve_ctx(opts.ctx_size, &config)?;
         let model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
         let report = LoadReport {
             model_dir: path.display().to_string(),
@@ -174,6 +176,7 @@ impl Engine {
             has_tokenizer: tokenizer.is_some(),
             has_chat_template: template.is_some(),
             unused,
+            notes,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
         let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
@@ -556,15 +559,16 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn resolve_ctx(requested: Option<usize>, config: &ModelConfig) -> Result<usize> {
+/// The context to allocate, and a note when it is not what was asked. A ctx_size past the
+/// model's positions is clamped to them, as llama.cpp does: hosts such as Lemonade size the
+/// context from free memory, not from the model.
+fn resolve_ctx(requested: Option<usize>, config: &ModelConfig) -> Result<(usize, Vec<String>)> {
+    let max = config.max_position_embeddings;
     match requested {
         Some(0) => Err(Error::InvalidArgument("ctx_size must be greater than zero".into())),
-        Some(n) if n > config.max_position_embeddings => Err(Error::InvalidArgument(format!(
-            "ctx_size {n} exceeds the model's max_position_embeddings {}",
-            config.max_position_embeddings
-        ))),
-        Some(n) => Ok(n),
-        None => Ok(config.max_position_embeddings.min(4096)),
+        Some(n) if n > max => Ok((max, vec![format!("ctx_size {n} clamped to the model's max_position_embeddings {max}")])),
+        Some(n) => Ok((n, Vec::new())),
+        None => Ok((max.min(4096), Vec::new())),
     }
 }
 

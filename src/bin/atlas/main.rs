@@ -171,6 +171,9 @@ pub fn load_engine(opts: &EngineOptions) -> Result<Engine> {
     for unused in &r.unused {
         eprintln!("not used: {unused}");
     }
+    for note in &r.notes {
+        eprintln!("note: {note}");
+    }
     Ok(engine)
 }
 

@@ -279,6 +279,9 @@ void AtlasServer::load(const std::string& model_name, const ModelInfo& model_inf
         device = info.value("device", device);
         LOG(INFO, kTag) << "Loaded " << info.value("architecture", std::string("model")) << " on " << device
                         << ", context " << info.value("ctx_size", 0) << " tokens" << std::endl;
+        for (const auto& note : info.value("notes", json::array())) {
+            if (note.is_string()) LOG(WARNING, kTag) << note.get<std::string>() << std::endl;
+        }
     } catch (const std::exception& e) {
         LOG(WARNING, kTag) << "Model info unavailable: " << e.what() << std::endl;
     }
