@@ -303,6 +303,9 @@ fn tracked_namespace(defaults: Option<minijinja::value::ValueOrKwargs>) -> std::
 /// values can only hold what existed before it), so none survives.
 fn break_namespace_cycles() {
     let made = NAMESPACES.with(|made| std::mem::take(&mut *made.borrow_mut()));
+    if made.is_empty() {
+        return;
+    }
     let identifier = |k: &str| k.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     let env = Environment::new();
     for ns in made {
