@@ -231,20 +231,17 @@ impl<B: Backend + 'static> Bound<B> {
         let vocab = self.model.config().vocab_size;
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable) {
             let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
-            let queued = match b.replay_decode(*token, start_pos, want)? {
-                true => true,
-                false => {
-                    let mut step = || model.forward(b, tokens, start_pos, cache);
-                    match b.record_decode(*token, start_pos, vocab, want, &mut step) {
-                        Ok(recorded) => recorded,
-                        // The driver could not record this step (nothing ran): run it, and the
-                        // later ones, without a graph. Errors of the request itself are returned.
-                        Err(Error::Device(_) | Error::Unsupported(_)) => {
-                            self.recordable = false;
-                            false
-                        }
-                        Err(e) => return Err(e),
+            let queued = b.replay_decode(*token, start_pos, want)? || {
+                let mut step = || model.forward(b, tokens, start_pos, cache);
+                match b.record_decode(*token, start_pos, vocab, want, &mut step) {
+                    Ok(recorded) => recorded,
+                    // The driver could not record this step (nothing ran): run it, and the
+                    // later ones, without a graph. Errors of the request itself are returned.
+                    Err(Error::Device(_) | Error::Unsupported(_)) => {
+                        self.recordable = false;
+                        false
                     }
+                    Err(e) => return Err(e),
                 }
             };
             if queued {

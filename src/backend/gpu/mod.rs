@@ -448,28 +448,6 @@ impl GpuBackend {
     }
 
     /// What the last run of the recorded step left: its logits or its argmax.
-    fn recorded_step_output(&self, want: StepOutput, mask_changed: bool) -> Result<StepResult> {
-        let d = self.decode_state();
-        let missing = || Error::Device("no recorded decode step".into());
-        match want {
-            StepOutput::Logits => Ok(StepResult::Logits(self.to_host(d.logits.as_ref().ok_or_else(missing)?)?)),
-            StepOutput::Argmax { limit } => {
-                let token = d.token.as_ref().ok_or_else(missing)?;
-                if mask_changed {
-                    // The recording chose under the previous mask: choose again (biases added).
-                    self.launch_argmax(d.logits.as_ref().ok_or_else(missing)?, limit, 0, token.ptr)?;
-                }
-                Ok(StepResult::Token(self.download_token(token.ptr)?))
-            }
-            // Selected after the replay, from the recorded step's logits (the biases added there).
-            StepOutput::TopK { k, limit, temperature, cut } => {
-                let logits = d.logits.as_ref().ok_or_else(missing)?;
-                let best = self.select_top_k(logits, k, limit)?;
-                super::candidates_result(self, logits, best, limit, temperature, cut)
-            }
-        }
-    }
-
     fn forget_recording(&self) {
         let mut d = self.decode_state();
         if let Some(exec) = d.exec.take() {
@@ -1144,7 +1122,25 @@ impl Backend for GpuBackend {
     }
 
     fn recorded_output(&self, want: StepOutput, mask_changed: bool) -> Result<StepResult> {
-        self.recorded_step_output(want, mask_changed)
+        let d = self.decode_state();
+        let missing = || Error::Device("no recorded decode step".into());
+        match want {
+            StepOutput::Logits => Ok(StepResult::Logits(self.to_host(d.logits.as_ref().ok_or_else(missing)?)?)),
+            StepOutput::Argmax { limit } => {
+                let token = d.token.as_ref().ok_or_else(missing)?;
+                if mask_changed {
+                    // The recording chose under the previous mask: choose again (biases added).
+                    self.launch_argmax(d.logits.as_ref().ok_or_else(missing)?, limit, 0, token.ptr)?;
+                }
+                Ok(StepResult::Token(self.download_token(token.ptr)?))
+            }
+            // Selected after the replay, from the recorded step's logits (the biases added there).
+            StepOutput::TopK { k, limit, temperature, cut } => {
+                let logits = d.logits.as_ref().ok_or_else(missing)?;
+                let best = self.select_top_k(logits, k, limit)?;
+                super::candidates_result(self, logits, best, limit, temperature, cut)
+            }
+        }
     }
 
     fn record_decode(
