@@ -43,14 +43,22 @@ __device__ __forceinline__ void argmax_block(float& v, int& i) {
     i = si[0];
 }
 
-// logits[id] += bias for each (id, bias) of a request's logit_bias, before argmax or top_k:
-// `bias` holds the count, then the ids (int), then the biases (float). Launch: enough threads
-// for the list's capacity (those past the count do nothing).
-ATLAS_KERNEL void logit_bias(float* logits, int n, const int* bias) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x, count = bias[0];
+// A request's adjustments (sampling::Adjustment), added to the logits before argmax, top_k or
+// draw: for each listed id, l += bias; then l = l > 0 ? l / repetition : l * repetition (when
+// repetition != 1); then l -= subtract: the host's f32 operations, so both give the same bits.
+// `list` holds the count, then the ids (int), biases, repetitions and subtrahends (float), count
+// of each. Ids are unique (one entry each). Launch: enough threads for the list's capacity (those
+// past the count do nothing).
+ATLAS_KERNEL void logit_adjust(float* logits, int n, const int* list) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, count = list[0];
     if (i >= count) return;
-    const int id = bias[1 + i];
-    if (id >= 0 && id < n) logits[id] += __int_as_float(bias[1 + count + i]);
+    const int id = list[1 + i];
+    if (id < 0 || id >= n) return;
+    const float* values = (const float*)(list + 1 + count);
+    const float bias = values[i], repetition = values[count + i], subtract = values[2 * count + i];
+    float l = logits[id] + bias;
+    if (repetition != 1.0f) l = l > 0.0f ? __fdiv_rn(l, repetition) : __fmul_rn(l, repetition);
+    logits[id] = __fsub_rn(l, subtract);
 }
 
 ATLAS_KERNEL void argmax(const float* logits, int n, int limit, const int* limit_dev, const unsigned* mask,
@@ -309,5 +317,148 @@ ATLAS_KERNEL void log_partition(const float* logits, int n, int limit, const uns
     }
     out[0] = top > NEG_INF ? top * inv_t + logf(total_t) : NEG_INF;
     out[1] = top > NEG_INF ? top + logf(total_1) : NEG_INF;
+    *ticket = 0;
+}
+
+// Plain temperature sampling on the device: the id a uniform u in [0, 1) picks from the softmax
+// at temperature 1 / inv_t of the allowed finite logits among the first min(n, limit) (the token
+// mask as argmax's), walking the ids in order, as sampling::draw_in_order (the f64 reference)
+// does. Each block takes a contiguous share of the ids, each of its threads a contiguous run of
+// that share; a block writes its max and its sum of exp((l - max) * inv_t) (the runs' sums added
+// in thread order) to part [2 * gridDim.x]. The last block to finish (a ticket, reset afterwards)
+// scales the blocks' sums to the largest max, finds the block where the running total passes
+// u times the total, sums that block's runs again (the same bits as the first time), finds the
+// run, then the id: every launch gives the same id. Rounding that leaves u past everything picks
+// the last allowed id. out[0] = the id (0 when none is allowed).
+// Launch: grid DRAW_BLOCKS (128), block DRAW_THREADS (256); part holds 2 * gridDim.x floats.
+#define DRAW_THREADS 256
+
+__device__ __forceinline__ bool draw_counts(float l) { return l > NEG_INF && l < -NEG_INF; }
+
+// Thread t's run of block b: [*lo, *hi).
+__device__ __forceinline__ void draw_run(int end, int b, int t, int* lo, int* hi) {
+    const int share = (end + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int run = (share + DRAW_THREADS - 1) / DRAW_THREADS;
+    const int block_hi = min(end, b * share + share);
+    *lo = min(block_hi, b * share + t * run);
+    *hi = min(block_hi, *lo + run);
+}
+
+__device__ __forceinline__ float draw_weight(const float* logits, const unsigned* words, int count, int i, float m, float inv_t) {
+    const float l = logits[i];
+    return token_allowed(words, count, i) && draw_counts(l) ? expf(__fmul_rn(__fsub_rn(l, m), inv_t)) : 0.0f;
+}
+
+// The sum of thread t's run of block b, in id order.
+__device__ float draw_run_sum(const float* logits, const unsigned* words, int count, int end, int b, int t, float m, float inv_t) {
+    int lo, hi;
+    draw_run(end, b, t, &lo, &hi);
+    float s = 0.0f;
+    for (int i = lo; i < hi; i++) s += draw_weight(logits, words, count, i, m, inv_t);
+    return s;
+}
+
+ATLAS_KERNEL void draw_in_order(const float* logits, int n, int limit, const unsigned* mask, float inv_t, float u,
+                                float* part, int* ticket, int* out) {
+    __shared__ float sums[DRAW_THREADS];
+    __shared__ float scratch[DRAW_THREADS / WARP_SIZE];
+    __shared__ int is_last, chosen_block;
+    __shared__ float block_max, rest_in_block;
+    const int end = max(0, min(n, limit));
+    int count;
+    const unsigned* words = token_mask_words(mask, &count);
+
+    int lo, hi;
+    draw_run(end, blockIdx.x, threadIdx.x, &lo, &hi);
+    float m = NEG_INF;
+    for (int i = lo; i < hi; i++) {
+        if (token_allowed(words, count, i) && draw_counts(logits[i])) m = fmaxf(m, logits[i]);
+    }
+    m = warp_max(m);
+    if (threadIdx.x % WARP_SIZE == 0) scratch[threadIdx.x / WARP_SIZE] = m;
+    __syncthreads();
+    for (int w = 0; w < DRAW_THREADS / WARP_SIZE; w++) m = fmaxf(m, scratch[w]);
+    sums[threadIdx.x] = m > NEG_INF ? draw_run_sum(logits, words, count, end, blockIdx.x, threadIdx.x, m, inv_t) : 0.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int t = 0; t < DRAW_THREADS; t++) s += sums[t];
+        part[2 * blockIdx.x] = m;
+        part[2 * blockIdx.x + 1] = s;
+        __threadfence();
+        is_last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+
+    if (threadIdx.x == 0) {
+        const volatile float* p = part;
+        float top = NEG_INF;
+        for (int b = 0; b < (int)gridDim.x; b++) top = fmaxf(top, p[2 * b]);
+        float total = 0.0f;
+        for (int b = 0; b < (int)gridDim.x && top > NEG_INF; b++) {
+            if (p[2 * b] > NEG_INF) total += p[2 * b + 1] * expf(__fmul_rn(__fsub_rn(p[2 * b], top), inv_t));
+        }
+        float rest = u * total;
+        int chosen = -1, last = -1;
+        for (int b = 0; b < (int)gridDim.x && top > NEG_INF; b++) {
+            if (p[2 * b] == NEG_INF) continue;
+            const float scale = expf(__fmul_rn(__fsub_rn(p[2 * b], top), inv_t)), w = p[2 * b + 1] * scale;
+            if (w <= 0.0f) continue;
+            last = b;
+            if (rest < w) {
+                chosen = b;
+                rest /= scale;
+                break;
+            }
+            rest -= w;
+        }
+        if (chosen < 0 && last >= 0) {
+            chosen = last;
+            rest = -NEG_INF;  // past everything: the block's last allowed id
+        }
+        chosen_block = chosen;
+        block_max = chosen >= 0 ? p[2 * chosen] : NEG_INF;
+        rest_in_block = rest;
+    }
+    __syncthreads();
+    if (chosen_block < 0) {
+        if (threadIdx.x == 0) {
+            out[0] = 0;
+            *ticket = 0;
+        }
+        return;
+    }
+    sums[threadIdx.x] = draw_run_sum(logits, words, count, end, chosen_block, threadIdx.x, block_max, inv_t);
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    // Thread 0 walks the runs, then the run u falls in; rounding that leaves u past a run's last
+    // weight picks that run's last allowed id, past every run the last run's.
+    float rest = rest_in_block;
+    int id = -1, last_run = -1;
+    for (int t = 0; t < DRAW_THREADS && id < 0; t++) {
+        if (sums[t] <= 0.0f) continue;
+        if (rest >= sums[t]) {
+            rest -= sums[t];
+            last_run = t;
+            continue;
+        }
+        draw_run(end, chosen_block, t, &lo, &hi);
+        for (int i = lo; i < hi; i++) {
+            const float w = draw_weight(logits, words, count, i, block_max, inv_t);
+            if (w <= 0.0f) continue;
+            id = i;
+            if (rest < w) break;
+            rest -= w;
+        }
+    }
+    if (id < 0 && last_run >= 0) {
+        draw_run(end, chosen_block, last_run, &lo, &hi);
+        for (int i = hi - 1; i >= lo && id < 0; i--) {
+            if (draw_weight(logits, words, count, i, block_max, inv_t) > 0.0f) id = i;
+        }
+    }
+    out[0] = max(id, 0);
     *ticket = 0;
 }

@@ -60,6 +60,11 @@ impl SamplingParams {
         }
         Ok(())
     }
+
+    /// Whether a bias or a penalty may change some logit at some step.
+    pub fn adjusts_logits(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
+    }
 }
 
 /// xoshiro256** seeded through splitmix64: small, fast, and identical on every platform.
@@ -98,6 +103,11 @@ impl Rng {
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
+
+    /// Uniform in [0, 1), exactly representable in f32 (a device's draw takes it as is).
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u32 << 24) as f32
+    }
 }
 
 pub struct Sampler {
@@ -105,29 +115,34 @@ pub struct Sampler {
     rng: Rng,
     /// Ids at or above this are never chosen (the model's vocab is often padded past the tokenizer's).
     vocab_limit: usize,
+    /// The request's biases and penalties, kept up to date as tokens are accepted.
+    adjustments: Adjustments,
+    /// The backend adds `adjustments` to the logits itself (see `adjust_on_device`).
+    adjusted_elsewhere: bool,
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams, vocab_limit: usize) -> Self {
+    /// `prompt`: the tokens the repetition penalty counts as seen before the output.
+    pub fn new(params: SamplingParams, vocab_limit: usize, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(entropy_seed);
-        Sampler { rng: Rng::new(seed), params, vocab_limit }
+        let adjustments = Adjustments::new(&params, prompt);
+        Sampler { rng: Rng::new(seed), params, vocab_limit, adjustments, adjusted_elsewhere: false }
     }
 
-    /// True when the choice is the plain argmax of the logits (no temperature, penalties or
-    /// biases), which a GPU can make on the device: only the id then crosses to the host.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.params.temperature == 0.0 && self.leaves_logits_alone()
+    /// From now on the backend adds the adjustments (biases, penalties) where the logits are;
+    /// `sample` no longer does.
+    pub fn adjust_on_device(&mut self) {
+        self.adjusted_elsewhere = true;
     }
 
-    /// No penalty or bias changes the logits before the choice.
-    fn leaves_logits_alone(&self) -> bool {
-        let p = &self.params;
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 && p.logit_bias.is_empty()
+    /// The biases and penalties for the next choice; see `Adjustments`.
+    pub fn adjustments(&self) -> &Adjustments {
+        &self.adjustments
     }
 
-    /// Replaces the biases this sampler adds (a backend that adds them itself takes them over).
-    pub fn set_logit_bias(&mut self, bias: Vec<(u32, f32)>) {
-        self.params.logit_bias = bias;
+    /// Records the chosen token (it is now part of the output the penalties look at).
+    pub fn accept(&mut self, token: u32) {
+        self.adjustments.accept(token);
     }
 
     /// Ids at or above this are never chosen.
@@ -135,27 +150,46 @@ impl Sampler {
         self.vocab_limit
     }
 
-    /// Chooses the next token. `history` is prompt + output so far; `output_start` is where the
-    /// output begins in it (presence and frequency penalties look at the output only).
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_start: usize) -> u32 {
+    /// The uniform number a device's draw over the whole distribution takes (see `DeviceChoice::Draw`).
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.next_f32()
+    }
+
+    /// Chooses the next token from every logit (the adjustments added here unless the backend added
+    /// them).
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         let limit = self.vocab_limit.min(logits.len());
         let logits = &mut logits[..limit];
-        self.apply_penalties(logits, history, output_start);
+        if !self.adjusted_elsewhere {
+            self.adjustments.apply(logits);
+        }
         if self.params.temperature == 0.0 {
             return argmax(logits);
+        }
+        if self.draws_from_everything() {
+            let u = self.uniform();
+            return draw_in_order(logits, logits.len(), self.params.temperature, u);
         }
         let k = if self.params.top_k > 0 { self.params.top_k } else { logits.len() };
         self.draw(top_k(logits, k, logits.len()), None).unwrap_or(0)
     }
 
+    /// Plain temperature sampling: no top-k, top-p or min-p cut, so the draw walks the whole
+    /// distribution in id order (no sort).
+    fn draws_from_everything(&self) -> bool {
+        let p = &self.params;
+        p.temperature > 0.0 && p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0
+    }
+
     /// How the next token can be chosen where the logits are, so that only an id, or the k best
     /// (id, logit) pairs and the log-partition, cross to the host; None when it needs every logit
-    /// on the host (penalties, biases left to the sampler, a top-k past MAX_DEVICE_TOP_K, plain
-    /// temperature sampling over the whole vocabulary). `logprobs`: the request wants the chosen
-    /// token's log-probability and this many others'.
+    /// on the host (a top-k past MAX_DEVICE_TOP_K, logprobs of a request whose logits are
+    /// adjusted). `logprobs`: the request wants the chosen token's log-probability and this many
+    /// others'. The adjustments, when any, must then be added where the logits are.
     pub fn device_choice(&self, logprobs: Option<usize>) -> Option<DeviceChoice> {
         let p = &self.params;
-        if !self.leaves_logits_alone() {
+        // Log-probabilities are of the model's own distribution, which adjusted logits are not.
+        if logprobs.is_some() && p.adjusts_logits() {
             return None;
         }
         if p.temperature == 0.0 {
@@ -163,6 +197,9 @@ impl Sampler {
                 None => DeviceChoice::Argmax,
                 Some(top) => DeviceChoice::TopK { k: top.max(1), temperature: Some(1.0), cut: None },
             });
+        }
+        if self.draws_from_everything() && logprobs.is_none() {
+            return Some(DeviceChoice::Draw { temperature: p.temperature });
         }
         let (k, cut) = match p.top_k {
             1..=MAX_DEVICE_TOP_K => (p.top_k, None),
@@ -215,38 +252,141 @@ impl Sampler {
         }
         Some(cands[probs.len() - 1].0)
     }
+}
 
-    fn apply_penalties(&self, logits: &mut [f32], history: &[u32], output_start: usize) {
-        let p = &self.params;
-        for &(id, bias) in &p.logit_bias {
-            if let Some(l) = logits.get_mut(id as usize) {
-                *l += bias;
+/// What a request does to the logits before the choice, token by token: its `logit_bias`, then
+/// the repetition penalty (tokens of prompt or output), then the presence and frequency penalties
+/// (tokens of the output). One entry per id, so a device adds them all at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Adjustment {
+    pub id: u32,
+    pub bias: f32,
+    /// Divides a positive logit, multiplies a negative one; 1 leaves it.
+    pub repetition: f32,
+    /// Subtracted last: presence + frequency × occurrences in the output.
+    pub subtract: f32,
+}
+
+impl Adjustment {
+    /// The logit after the adjustment: the same f32 operations on every backend.
+    pub fn apply(&self, logit: f32) -> f32 {
+        let mut l = logit + self.bias;
+        if self.repetition != 1.0 {
+            l = if l > 0.0 { l / self.repetition } else { l * self.repetition };
+        }
+        l - self.subtract
+    }
+}
+
+/// A request's adjustments, updated as each output token is accepted (an entry changes, or one
+/// is added), so a long prompt is counted once.
+#[derive(Debug, Clone, Default)]
+pub struct Adjustments {
+    list: Vec<Adjustment>,
+    index: std::collections::HashMap<u32, usize>,
+    /// Occurrences of each listed id in the output.
+    counts: Vec<u32>,
+    repetition: f32,
+    presence: f32,
+    frequency: f32,
+    /// Bumped at every change: a backend re-sends the list when it differs from what it holds.
+    version: u64,
+}
+
+impl Adjustments {
+    pub fn new(params: &SamplingParams, prompt: &[u32]) -> Self {
+        let mut a = Adjustments {
+            repetition: params.repetition_penalty,
+            presence: params.presence_penalty,
+            frequency: params.frequency_penalty,
+            ..Default::default()
+        };
+        for &(id, bias) in &params.logit_bias {
+            let i = a.entry(id);
+            a.list[i].bias += bias;
+        }
+        if a.repetition != 1.0 {
+            for &t in prompt {
+                let i = a.entry(t);
+                a.list[i].repetition = a.repetition;
             }
         }
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; logits.len()];
-            for &t in history {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    if !*s {
-                        *s = true;
-                        let l = &mut logits[t as usize];
-                        *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                    }
-                }
-            }
+        a
+    }
+
+    fn entry(&mut self, id: u32) -> usize {
+        let list = &mut self.list;
+        let counts = &mut self.counts;
+        *self.index.entry(id).or_insert_with(|| {
+            list.push(Adjustment { id, bias: 0.0, repetition: 1.0, subtract: 0.0 });
+            counts.push(0);
+            list.len() - 1
+        })
+    }
+
+    /// An output token: seen (repetition), and once more in the output (presence, frequency).
+    pub fn accept(&mut self, token: u32) {
+        let penalises = self.repetition != 1.0 || self.presence != 0.0 || self.frequency != 0.0;
+        if !penalises {
+            return;
         }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            let mut counts = std::collections::HashMap::<u32, u32>::new();
-            for &t in history.get(output_start..).unwrap_or(&[]) {
-                *counts.entry(t).or_default() += 1;
-            }
-            for (t, n) in counts {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
-                }
+        let i = self.entry(token);
+        self.counts[i] += 1;
+        let e = &mut self.list[i];
+        e.repetition = self.repetition;
+        e.subtract = self.presence + self.frequency * self.counts[i] as f32;
+        self.version += 1;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    pub fn list(&self) -> &[Adjustment] {
+        &self.list
+    }
+
+    /// Changes at every accepted token that changed the list.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Adds them to `logits` (ids past its end are ignored).
+    pub fn apply(&self, logits: &mut [f32]) {
+        for a in &self.list {
+            if let Some(l) = logits.get_mut(a.id as usize) {
+                *l = a.apply(*l);
             }
         }
     }
+}
+
+/// The token a uniform `u` in [0, 1) picks from the softmax at `temperature` of the first `limit`
+/// values (-inf ones left out), walking the ids in order: the first id whose cumulative probability
+/// passes u (the last finite one when rounding leaves u past them all). f64: the reference for
+/// the device's draw, which walks in the same order.
+pub fn draw_in_order(values: &[f32], limit: usize, temperature: f32, u: f32) -> u32 {
+    let values = &values[..limit.min(values.len())];
+    let max = values.iter().filter(|v| v.is_finite()).fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    if max == f64::NEG_INFINITY {
+        return 0;
+    }
+    let t = temperature as f64;
+    let weight = |v: f32| if v.is_finite() { ((v as f64 - max) / t).exp() } else { 0.0 };
+    let total: f64 = values.iter().map(|&v| weight(v)).sum();
+    let mut rest = u as f64 * total;
+    let mut last = 0;
+    for (i, &v) in values.iter().enumerate() {
+        let w = weight(v);
+        if w > 0.0 {
+            if rest < w {
+                return i as u32;
+            }
+            rest -= w;
+            last = i;
+        }
+    }
+    last as u32
 }
 
 /// The most candidates a GPU selects for top-k sampling (TOPK_MAX in kernels/sampling.hip).
@@ -257,6 +397,9 @@ pub const MAX_DEVICE_TOP_K: usize = 64;
 pub enum DeviceChoice {
     /// The argmax (greedy decoding).
     Argmax,
+    /// A draw from the whole distribution at `temperature` with a uniform number from the
+    /// sampler (`Sampler::uniform`), as `draw_in_order` makes it.
+    Draw { temperature: f32 },
     /// The `k` largest (id, logit) pairs, with the log-partition at `temperature` when Some, and
     /// every logit instead when `cut` does not fall among the k.
     TopK { k: usize, temperature: Option<f32>, cut: Option<Cut> },
@@ -432,14 +575,15 @@ mod tests {
     }
 
     fn draw(p: SamplingParams, n: usize) -> Vec<u32> {
-        let mut s = Sampler::new(p, usize::MAX);
-        (0..n).map(|_| s.sample(&mut logits(), &[], 0)).collect()
+        let mut s = Sampler::new(p, usize::MAX, &[]);
+        (0..n).map(|_| s.sample(&mut logits())).collect()
     }
 
     /// What `device_choice` asks the device for, drawn from by `sample_candidates`.
     fn device_draw(s: &mut Sampler, l: &[f32], logprobs: Option<usize>) -> Option<(u32, Option<TokenLogprob>)> {
         match s.device_choice(logprobs)? {
             DeviceChoice::Argmax => Some((argmax(l), None)),
+            DeviceChoice::Draw { temperature } => Some((draw_in_order(l, l.len(), temperature, s.uniform()), None)),
             DeviceChoice::TopK { k, temperature, cut } => {
                 let best = top_k(l, k, l.len());
                 let partition = temperature.map(|t| LogPartition::of(l, l.len(), t));
@@ -459,13 +603,15 @@ mod tests {
     fn device_choices_draw_what_the_full_sampler_draws() {
         // A peaked distribution over 1000 ids: top-p 0.9 falls among the 64 best.
         let l: Vec<f32> = (0..1000).map(|i| 12.0 - (i as f32 * 0.37).sqrt() * 2.5 + ((i * 7919 % 100) as f32) * 0.01).collect();
-        let cases = [(20, 0.95, 0.0), (1, 1.0, 0.0), (64, 0.8, 0.05), (5, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.2), (0, 0.9, 0.05)];
+        let cases = [(20, 0.95, 0.0), (1, 1.0, 0.0), (64, 0.8, 0.05), (5, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.2), (0, 0.9, 0.05), (0, 1.0, 0.0)];
         for (k, top_p, min_p) in cases {
-            for logprobs in [None, Some(0), Some(5)] {
+            // A plain temperature draw with logprobs needs every logit (checked below).
+            let with_logprobs: &[Option<usize>] = if (k, top_p, min_p) == (0, 1.0, 0.0) { &[None] } else { &[None, Some(0), Some(5)] };
+            for &logprobs in with_logprobs {
                 let p = SamplingParams { top_k: k, top_p, min_p, ..params(0.7) };
-                let (mut full, mut fast) = (Sampler::new(p.clone(), usize::MAX), Sampler::new(p, usize::MAX));
+                let (mut full, mut fast) = (Sampler::new(p.clone(), usize::MAX, &[]), Sampler::new(p, usize::MAX, &[]));
                 for _ in 0..50 {
-                    let want = full.sample(&mut l.clone(), &[], 0);
+                    let want = full.sample(&mut l.clone());
                     let (got, lp) = device_draw(&mut fast, &l, logprobs).expect("served by the device");
                     assert_eq!(got, want, "top_k {k} top_p {top_p} min_p {min_p}");
                     if let Some(top) = logprobs {
@@ -478,19 +624,21 @@ mod tests {
             }
         }
         // Greedy with logprobs: the top candidate, and its log-probability.
-        let mut greedy = Sampler::new(params(0.0), usize::MAX);
+        let mut greedy = Sampler::new(params(0.0), usize::MAX, &[]);
         let (t, lp) = device_draw(&mut greedy, &l, Some(3)).unwrap();
         assert_eq!((t, lp.unwrap().top.len()), (argmax(&l), 3));
         // A flat distribution: top-p 0.9 reaches past the 64 best, so every logit is needed.
         let flat: Vec<f32> = (0..1000).map(|i| (i % 13) as f32 * 0.01).collect();
-        let mut s = Sampler::new(SamplingParams { top_p: 0.9, ..params(1.0) }, usize::MAX);
+        let mut s = Sampler::new(SamplingParams { top_p: 0.9, ..params(1.0) }, usize::MAX, &[]);
         assert!(device_draw(&mut s, &flat, None).is_none());
-        let mut s = Sampler::new(SamplingParams { min_p: 0.5, ..params(1.0) }, usize::MAX);
+        let mut s = Sampler::new(SamplingParams { min_p: 0.5, ..params(1.0) }, usize::MAX, &[]);
         assert!(device_draw(&mut s, &flat, None).is_none(), "all 64 above the min-p floor: more may be");
+        // Adjusted logits: the device adds the adjustments, but has no log-probabilities of the model's own.
         let penalised = SamplingParams { top_k: 20, repetition_penalty: 1.1, ..params(0.7) };
-        assert_eq!(Sampler::new(penalised, usize::MAX).device_choice(None), None);
-        assert_eq!(Sampler::new(params(0.7), usize::MAX).device_choice(None), None, "plain temperature: every logit");
-        assert_eq!(Sampler::new(SamplingParams { top_k: 100, ..params(0.7) }, usize::MAX).device_choice(None), None);
+        assert!(Sampler::new(penalised.clone(), usize::MAX, &[3]).device_choice(None).is_some());
+        assert_eq!(Sampler::new(penalised.clone(), usize::MAX, &[3]).device_choice(Some(2)), None);
+        assert_eq!(Sampler::new(SamplingParams { top_k: 100, ..params(0.7) }, usize::MAX, &[]).device_choice(None), None);
+        assert_eq!(Sampler::new(params(0.7), usize::MAX, &[]).device_choice(Some(1)), None, "a whole-distribution draw with logprobs");
     }
 
     #[test]
@@ -551,22 +699,25 @@ mod tests {
 
     #[test]
     fn vocab_limit_is_never_exceeded() {
-        let mut s = Sampler::new(params(0.0), 4);
-        let mut l = vec![0.0, 1.0, 2.0, 3.0, 100.0];
-        assert_eq!(s.sample(&mut l, &[], 0), 3);
+        let mut s = Sampler::new(params(0.0), 4, &[]);
+        let l = vec![0.0, 1.0, 2.0, 3.0, 100.0];
+        assert_eq!(s.sample(&mut l.clone()), 3);
+        let mut s = Sampler::new(params(5.0), 4, &[]);
+        for _ in 0..100 {
+            assert!(s.sample(&mut l.clone()) < 4);
+        }
     }
 
     #[test]
-    fn logit_bias_moves_and_bans_tokens_and_leaves_the_device_paths() {
+    fn logit_bias_moves_and_bans_tokens() {
         let base = vec![5.0, 4.9, 0.0];
-        let mut s = Sampler::new(SamplingParams { logit_bias: vec![(2, 10.0)], ..params(0.0) }, 3);
-        assert!(!s.is_plain_greedy());
-        assert_eq!(s.sample(&mut base.clone(), &[], 0), 2);
-        let ban = SamplingParams { logit_bias: vec![(0, -100.0)], ..params(1.0) };
-        assert_eq!(Sampler::new(SamplingParams { top_k: 5, ..ban.clone() }, 3).device_choice(None), None);
-        let mut s = Sampler::new(ban, 3);
+        let mut s = Sampler::new(SamplingParams { logit_bias: vec![(2, 10.0)], ..params(0.0) }, 3, &[]);
+        assert_eq!(s.sample(&mut base.clone()), 2);
+        let ban = SamplingParams { logit_bias: vec![(0, -60.0), (0, -40.0)], ..params(1.0) };
+        assert_eq!(Adjustments::new(&ban, &[]).list(), &[Adjustment { id: 0, bias: -100.0, repetition: 1.0, subtract: 0.0 }]);
+        let mut s = Sampler::new(ban, 3, &[]);
         for _ in 0..50 {
-            assert_ne!(s.sample(&mut base.clone(), &[], 0), 0);
+            assert_ne!(s.sample(&mut base.clone()), 0);
         }
         assert!(SamplingParams { logit_bias: vec![(1, 100.5)], ..Default::default() }.validate().is_err());
     }
@@ -585,14 +736,91 @@ mod tests {
     #[test]
     fn penalties_change_the_choice() {
         let base = vec![5.0, 4.9, 0.0];
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..params(0.0) }, 3);
-        assert_eq!(s.sample(&mut base.clone(), &[0], 1), 1);
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..params(0.0) }, 3);
-        assert_eq!(s.sample(&mut base.clone(), &[0], 0), 1);
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..params(0.0) }, 3, &[0]);
+        assert_eq!(s.sample(&mut base.clone()), 1);
         // Presence and frequency penalties ignore the prompt.
-        assert_eq!(s.sample(&mut base.clone(), &[0], 1), 0);
-        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.05, ..params(0.0) }, 3);
-        assert_eq!(s.sample(&mut base.clone(), &[0, 0, 0], 0), 1);
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..params(0.0) }, 3, &[0]);
+        assert_eq!(s.sample(&mut base.clone()), 0);
+        s.accept(0);
+        assert_eq!(s.sample(&mut base.clone()), 1);
+        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.05, ..params(0.0) }, 3, &[]);
+        s.accept(0);
+        assert_eq!(s.sample(&mut base.clone()), 0, "0.05 lower: still the largest");
+        s.accept(0);
+        s.accept(0);
+        assert_eq!(s.sample(&mut base.clone()), 1);
+    }
+
+    /// The adjustments as the sampler used to make them: from the whole history at every step.
+    fn penalised_from_history(p: &SamplingParams, logits: &mut [f32], history: &[u32], output_start: usize) {
+        for &(id, bias) in &p.logit_bias {
+            logits[id as usize] += bias;
+        }
+        let mut seen = std::collections::HashSet::new();
+        for &t in history {
+            if p.repetition_penalty != 1.0 && seen.insert(t) {
+                let l = &mut logits[t as usize];
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+        }
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in &history[output_start..] {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, n) in counts {
+            logits[t as usize] -= p.presence_penalty + p.frequency_penalty * n as f32;
+        }
+    }
+
+    #[test]
+    fn adjustments_kept_up_to_date_equal_the_history_recounted() {
+        let mut rng = Rng::new(5);
+        let p = SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.4,
+            frequency_penalty: 0.15,
+            logit_bias: vec![(3, 2.0), (40, -7.5)],
+            ..params(0.8)
+        };
+        let prompt: Vec<u32> = (0..30).map(|_| (rng.next_u64() % 64) as u32).collect();
+        let mut a = Adjustments::new(&p, &prompt);
+        let mut history = prompt.clone();
+        for step in 0..40 {
+            let base: Vec<f32> = (0..64).map(|_| rng.next_f32() * 8.0 - 4.0).collect();
+            let (mut want, mut got) = (base.clone(), base.clone());
+            penalised_from_history(&p, &mut want, &history, prompt.len());
+            a.apply(&mut got);
+            assert_eq!(got, want, "step {step}");
+            let before = a.version();
+            let token = (rng.next_u64() % 64) as u32;
+            a.accept(token);
+            history.push(token);
+            assert_ne!(a.version(), before);
+        }
+        let ids: std::collections::HashSet<u32> = a.list().iter().map(|e| e.id).collect();
+        assert_eq!(ids.len(), a.list().len(), "one entry per id");
+    }
+
+    #[test]
+    fn a_draw_in_order_follows_the_softmax() {
+        let l = [1.0f32, f32::NEG_INFINITY, 3.0, 2.0, 9.0];
+        // At temperature 1 over the first four: weights e^1, 0, e^3, e^2.
+        let total = 1f64.exp() + 3f64.exp() + 2f64.exp();
+        let at = |u: f64| draw_in_order(&l, 4, 1.0, u as f32);
+        assert_eq!(at(0.0), 0);
+        assert_eq!(at(1f64.exp() / total - 1e-3), 0);
+        assert_eq!(at(1f64.exp() / total + 1e-3), 2);
+        assert_eq!(at((1f64.exp() + 3f64.exp()) / total + 1e-3), 3);
+        assert_eq!(at(0.999_999), 3);
+        assert_eq!(draw_in_order(&[f32::NEG_INFINITY; 3], 3, 1.0, 0.5), 0);
+        // The sampler draws that way for plain temperature: frequencies follow the probabilities.
+        let mut s = Sampler::new(params(1.0), 4, &[]);
+        let mut hits = [0usize; 5];
+        for _ in 0..20_000 {
+            hits[s.sample(&mut l.to_vec()) as usize] += 1;
+        }
+        assert_eq!((hits[1], hits[4]), (0, 0));
+        assert!((hits[2] as f64 / 20_000.0 - 3f64.exp() / total).abs() < 0.02, "{hits:?}");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use atlas::backend::gpu::{cuda, GpuBackend, GpuTensor};
 use atlas::backend::{AttentionShape, Backend, Proj, QkNorms, Rope};
 use atlas::quant::fp8::Fp8BlockMatrix;
 use atlas::quant::{DenseData, DenseMatrix, QuantMatrix};
-use atlas::sampling::Rng;
+use atlas::sampling::{Adjustment, Rng};
 use atlas::{Device, Engine, EngineOptions, GenerateRequest};
 
 fn gpu() -> Option<GpuBackend> {
@@ -403,6 +403,23 @@ fn top_k_sampling_on_the_device_is_reproducible() {
         let first = engine.generate_raw(&req).unwrap().tokens;
         assert_eq!(engine.generate_raw(&req).unwrap().tokens, first, "{:?}: same seed, same tokens", req.sampling);
     }
+    // Plain temperature (a draw over every logit on the device) and penalties (the adjustments
+    // sent to the device as the output grows): seeded, reproducible; recorded steps and the
+    // first (prefill) step take the same path.
+    for sampling in [
+        atlas::sampling::SamplingParams { temperature: 0.9, seed: Some(7), ..Default::default() },
+        atlas::sampling::SamplingParams { temperature: 0.9, repetition_penalty: 1.3, presence_penalty: 0.5, frequency_penalty: 0.3, seed: Some(7), ..Default::default() },
+        atlas::sampling::SamplingParams { temperature: 0.0, repetition_penalty: 1.5, frequency_penalty: 0.5, ..Default::default() },
+    ] {
+        let req = GenerateRequest { sampling, ..req.clone() };
+        let first = engine.generate_raw(&req).unwrap().tokens;
+        assert_eq!(engine.generate_raw(&req).unwrap().tokens, first, "{:?}: same seed, same tokens", req.sampling);
+    }
+    // Greedy with strong penalties repeats no token where plain greedy repeats.
+    let penalised = GenerateRequest { sampling: atlas::sampling::SamplingParams { repetition_penalty: 100.0, ..Default::default() }, ..req.clone() };
+    let tokens = engine.generate_raw(&penalised).unwrap().tokens;
+    let distinct: std::collections::HashSet<_> = tokens.iter().collect();
+    assert_eq!(distinct.len(), tokens.len(), "repetition penalty 100 on the device: {tokens:?}");
     let greedy = GenerateRequest { sampling: Default::default(), logprobs: Some(5), ..req.clone() };
     let plain = engine.generate_raw(&GenerateRequest { logprobs: None, ..greedy.clone() }).unwrap();
     let with_logprobs = engine.generate_raw(&greedy).unwrap();
@@ -446,22 +463,85 @@ fn token_masks_restrict_argmax_and_top_k_as_on_the_cpu() {
     c.set_token_mask(None).unwrap();
     assert_eq!(g.argmax(&logits.gpu, n).unwrap(), c.argmax(&logits.cpu, n).unwrap());
     assert!(g.set_token_mask(Some(&[])).is_err(), "an empty mask allows nothing");
-    // Logit biases (a request's logit_bias), with and without a mask; a longer list regrows the
-    // device's; none again restores the plain choice.
+    // Logit adjustments (a request's logit_bias and penalties), with and without a mask: the
+    // same f32 operations, so the same bits; a longer list regrows the device's; none again
+    // restores the plain choice.
     let plain = c.argmax(&logits.cpu, n).unwrap();
-    for bias in [vec![(plain, -100.0), (17, 30.0)], (0..300).map(|i| (i * 13, if i % 2 == 0 { 9.0 } else { -9.0 })).collect()] {
-        g.set_logit_bias(&bias).unwrap();
-        c.set_logit_bias(&bias).unwrap();
+    let adjust = |id: u32, bias: f32, repetition: f32, subtract: f32| Adjustment { id, bias, repetition, subtract };
+    let long: Vec<Adjustment> = (0..300).map(|i| adjust(i * 13, if i % 2 == 0 { 9.0 } else { -9.0 }, 1.0 + (i % 3) as f32 * 0.3, (i % 5) as f32 * 0.7)).collect();
+    for list in [vec![adjust(plain, -100.0, 1.0, 0.0), adjust(17, 30.0, 1.0, 0.0)], vec![adjust(plain, 0.0, 1.3, 0.4), adjust(5, 0.0, 1.3, 0.0)], long] {
+        g.set_logit_adjustments(&list).unwrap();
+        c.set_logit_adjustments(&list).unwrap();
         let fresh = pair(&g, 1, n, logits.cpu.data.clone());
         let want = c.argmax(&fresh.cpu, n).unwrap();
-        assert_eq!(g.argmax(&fresh.gpu, n).unwrap(), want, "argmax with {} biases", bias.len());
+        assert_eq!(g.argmax(&fresh.gpu, n).unwrap(), want, "argmax with {} adjustments", list.len());
+        assert_eq!(g.chosen_logits(&fresh.gpu).unwrap(), c.chosen_logits(&fresh.cpu).unwrap(), "adjusted logits, {} entries", list.len());
         let fresh = pair(&g, 1, n, logits.cpu.data.clone());
-        assert_eq!(g.top_k(&fresh.gpu, 20, n).unwrap(), c.top_k(&fresh.cpu, 20, n).unwrap(), "top_k with {} biases", bias.len());
+        assert_eq!(g.top_k(&fresh.gpu, 20, n).unwrap(), c.top_k(&fresh.cpu, 20, n).unwrap(), "top_k with {} adjustments", list.len());
     }
-    g.set_logit_bias(&[]).unwrap();
-    c.set_logit_bias(&[]).unwrap();
+    g.set_logit_adjustments(&[]).unwrap();
+    c.set_logit_adjustments(&[]).unwrap();
     let fresh = pair(&g, 1, n, logits.cpu.data.clone());
     assert_eq!(g.argmax(&fresh.gpu, n).unwrap(), plain);
+}
+
+/// The ids whose interval of the in-order cumulative distribution lies within `margin` of `u`:
+/// where f32 sums on the device may part from the f64 reference.
+fn near_a_boundary(values: &[f32], limit: usize, temperature: f32, u: f32, margin: f64) -> bool {
+    let v = &values[..limit];
+    let max = v.iter().filter(|x| x.is_finite()).fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let w: Vec<f64> = v.iter().map(|&x| if x.is_finite() { ((x as f64 - max) / temperature as f64).exp() } else { 0.0 }).collect();
+    let total: f64 = w.iter().sum();
+    let mut cum = 0.0;
+    w.iter().any(|x| {
+        cum += x;
+        *x > 0.0 && ((cum / total) - u as f64).abs() < margin
+    })
+}
+
+#[test]
+fn plain_temperature_draws_on_the_device_follow_the_reference() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(41);
+    // A vocabulary of Qwen3's size and a small one (fewer ids than threads), masked and not.
+    for (n, limit) in [(151_936, 151_665), (300, 300), (5000, 4500)] {
+        let mut values = random(&mut rng, n, 6.0);
+        values[n / 3] = f32::NEG_INFINITY;
+        let logits = pair(&g, 1, n, values.clone());
+        let mut mask = vec![0u32; n.div_ceil(32)];
+        for i in 0..n {
+            if rng.next_f64() < 0.3 {
+                mask[i / 32] |= 1 << (i % 32);
+            }
+        }
+        for masked in [false, true] {
+            let m = masked.then_some(mask.as_slice());
+            g.set_token_mask(m).unwrap();
+            c.set_token_mask(m).unwrap();
+            let seen = c.chosen_logits(&logits.cpu).unwrap();
+            for temperature in [0.7f32, 1.0, 1.6] {
+                let mut checked = 0;
+                for _ in 0..200 {
+                    let u = rng.next_f32();
+                    let got = g.draw(&logits.gpu, limit, temperature, u).unwrap();
+                    assert_eq!(g.draw(&logits.gpu, limit, temperature, u).unwrap(), got, "the same draw twice");
+                    assert!((got as usize) < limit && seen[got as usize].is_finite(), "drew {got}, which is not allowed");
+                    if near_a_boundary(&seen, limit, temperature, u, 1e-5) {
+                        continue;
+                    }
+                    checked += 1;
+                    let want = c.draw(&logits.cpu, limit, temperature, u).unwrap();
+                    assert_eq!(got, want, "n {n} masked {masked} T {temperature} u {u}");
+                }
+                assert!(checked > 150, "{checked} draws away from a boundary");
+            }
+        }
+    }
+    g.set_token_mask(None).unwrap();
+    // Nothing allowed: id 0, as the reference.
+    let none = pair(&g, 1, 64, vec![f32::NEG_INFINITY; 64]);
+    assert_eq!(g.draw(&none.gpu, 64, 1.0, 0.5).unwrap(), 0);
 }
 
 #[test]

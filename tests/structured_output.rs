@@ -212,6 +212,32 @@ fn logit_bias_steers_and_bans_tokens() {
     assert_ne!(banned[0], plain[0]);
 }
 
+#[test]
+fn penalties_made_by_the_backend_choose_what_the_host_sampler_chooses() {
+    // Penalties and biases are adjustments the backend makes before its choice, updated as the
+    // output grows; a request with logprobs samples on the host from every logit instead (its
+    // log-probabilities are of the model's own distribution). Both pick the same tokens.
+    let mut engine = engine();
+    let prompt = engine.tokenizer().unwrap().encode("hello hello world, the cat and the hat").unwrap();
+    let plain = GenerateRequest { prompt, max_tokens: Some(24), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+    let unpenalised = engine.generate(&plain, &mut |_| true).unwrap().tokens;
+    for sampling in [
+        SamplingParams { repetition_penalty: 1.8, ..Default::default() },
+        SamplingParams { presence_penalty: 1.5, frequency_penalty: 0.8, ..Default::default() },
+        SamplingParams { temperature: 0.9, repetition_penalty: 1.3, frequency_penalty: 0.4, logit_bias: vec![(7, 3.0)], seed: Some(5), ..Default::default() },
+        SamplingParams { temperature: 1.1, seed: Some(9), ..Default::default() },
+    ] {
+        let req = GenerateRequest { sampling, ..plain.clone() };
+        let on_backend = engine.generate(&req, &mut |_| true).unwrap();
+        let on_host = engine.generate(&GenerateRequest { logprobs: Some(0), ..req.clone() }, &mut |_| true).unwrap();
+        assert_eq!(on_backend.tokens, on_host.tokens, "{:?}", req.sampling);
+        assert_eq!(on_host.logprobs.len(), on_host.tokens.len());
+        if req.sampling.temperature == 0.0 {
+            assert_ne!(on_backend.tokens, unpenalised, "{:?} changed nothing", req.sampling);
+        }
+    }
+}
+
 /// A tool-aware template in the style of Qwen3's (JSON calls) or Qwen3.5's (XML calls: its
 /// instructions show `<function=`, which is how Atlas tells the formats apart).
 fn template(xml: bool) -> String {

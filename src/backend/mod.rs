@@ -4,7 +4,7 @@
 pub mod cpu;
 pub mod gpu;
 
-use crate::sampling::{Cut, LogPartition};
+use crate::sampling::{Adjustment, Cut, LogPartition};
 use crate::quant::QuantMatrix;
 use crate::Result;
 
@@ -122,8 +122,11 @@ pub enum StepOutput {
     Argmax { limit: usize },
     /// The `k` largest logits among the first `limit`, as (id, logit), largest first (top-k
     /// sampling), with their log-partition at `temperature` when Some; every logit instead (as
-    /// the choice sees them: biases added, the mask applied) when `cut` does not fall among them.
+    /// the choice sees them: adjusted, the mask applied) when `cut` does not fall among them.
     TopK { k: usize, limit: usize, temperature: Option<f32>, cut: Option<Cut> },
+    /// The id the uniform `u` picks from the softmax at `temperature` of the first `limit`
+    /// (plain temperature sampling; see `sampling::draw_in_order`).
+    Draw { limit: usize, temperature: f32, u: f32 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -135,8 +138,8 @@ pub enum StepResult {
 
 /// The result of a TopK step from `best`, the k largest of `logits` already taken (see
 /// `StepOutput::TopK`): the log-partition added when asked for, or every logit when the cut
-/// falls past the k. `logits` are those `best` came from (their biases added where the backend
-/// adds them in place).
+/// falls past the k. `logits` are those `best` came from (adjusted where the backend adjusts
+/// them in place).
 pub fn candidates_result<B: Backend + ?Sized>(
     b: &B,
     logits: &B::Tensor,
@@ -353,11 +356,11 @@ pub trait Backend: Send + Sync {
         Err(crate::Error::Unsupported(format!("token masks on {}", self.describe())))
     }
 
-    /// From now on `argmax` and `top_k` (recorded decode steps too) add these biases to the values
-    /// first (a request's `logit_bias`), until a call with none. Backends without it say
-    /// Unsupported, and the caller adds them on the host.
-    fn set_logit_bias(&self, _bias: &[(u32, f32)]) -> Result<()> {
-        Err(crate::Error::Unsupported(format!("logit biases on {}", self.describe())))
+    /// From now on `argmax`, `top_k` and `draw` (recorded decode steps too) first make these
+    /// adjustments to the values (a request's `logit_bias` and penalties, one entry per id), until
+    /// a call with none. Backends without it say Unsupported, and the caller adjusts on the host.
+    fn set_logit_adjustments(&self, _list: &[Adjustment]) -> Result<()> {
+        Err(crate::Error::Unsupported(format!("logit adjustments on {}", self.describe())))
     }
 
     /// Index of the largest of the first `limit` values of a `[1, n]` tensor (lowest index on ties).
@@ -372,14 +375,21 @@ pub trait Backend: Send + Sync {
         Ok(crate::sampling::top_k(&self.to_host(x)?, k, limit))
     }
 
+    /// The id a uniform `u` in [0, 1) picks from the softmax at `temperature` of the first `limit`
+    /// values of a `[1, n]` tensor (adjusted, masked), walking the ids in order
+    /// (`sampling::draw_in_order`).
+    fn draw(&self, x: &Self::Tensor, limit: usize, temperature: f32, u: f32) -> Result<u32> {
+        Ok(crate::sampling::draw_in_order(&self.chosen_logits(x)?, limit, temperature, u))
+    }
+
     /// The log-partition of the first `limit` values of a `[1, n]` tensor, over the ids the token
-    /// mask allows and with the biases added, as the last `argmax` or `top_k` of `x` saw them.
+    /// mask allows and adjusted, as the last `argmax` or `top_k` of `x` saw them.
     fn log_partition(&self, x: &Self::Tensor, limit: usize, temperature: f32) -> Result<LogPartition> {
         Ok(LogPartition::of(&self.chosen_logits(x)?, limit, temperature))
     }
 
-    /// The values of a `[1, n]` tensor as the last `argmax` or `top_k` of it saw them: biases
-    /// added, ids outside the token mask at -inf.
+    /// The values of a `[1, n]` tensor as the last `argmax` or `top_k` of it saw them: adjusted,
+    /// ids outside the token mask at -inf.
     fn chosen_logits(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
         self.to_host(x)
     }

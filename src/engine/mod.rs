@@ -20,7 +20,7 @@ use crate::grammar::{GrammarSpec, GrammarVocab};
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
 use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, Meanwhile, ModelConfig, WeightSource};
-use crate::sampling::{DeviceChoice, Sampler, SamplingParams, TokenLogprob};
+use crate::sampling::{Adjustment, DeviceChoice, Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
 
@@ -364,8 +364,8 @@ impl Engine {
         if req.grammar.is_some() {
             cleared = cleared.and(self.model.set_token_mask(None));
         }
-        if !req.sampling.logit_bias.is_empty() {
-            cleared = cleared.and(self.model.set_logit_bias(&[]));
+        if req.sampling.adjusts_logits() {
+            cleared = cleared.and(self.model.set_logit_adjustments(&[]));
         }
         if let (Ok(_), Err(e)) = (&result, cleared) {
             return Err(e);
@@ -398,8 +398,6 @@ impl Engine {
             None => ctx_size.saturating_sub(req.prompt.len()).max(1),
         };
         check_fits(req.prompt.len(), max_tokens, ctx_size)?;
-        // The biases go back to the sampler below unless the backend adds them.
-        let mut sampler = Sampler::new(SamplingParams { logit_bias: Vec::new(), ..req.sampling.clone() }, vocab_limit.unwrap_or(usize::MAX));
         let front = self.front.clone();
         let text_tokenizer = vocab_limit.and(front.tokenizer().ok());
         let mut detok = Detokenizer::new(true);
@@ -414,32 +412,38 @@ impl Engine {
         }
         self.cached.truncate(reuse);
         let t0 = Instant::now();
-        // The choice is made where the logits are when it can be (greedy: the argmax; top-k, and
-        // top-p / min-p whose cut falls among the 64 best: those candidates and the
-        // log-partition), a grammar's mask of allowed tokens sent there first, computed while the
-        // device runs the step. Penalties, plain temperature sampling and logprobs beside biases
-        // sample from every logit on the host, masked there. A request's logit_bias is added
-        // where the choice is made.
-        let bias = req.sampling.logit_bias.clone();
+        // The choice is made where the logits are when it can be (greedy: the argmax; plain
+        // temperature: a draw with the sampler's uniform number; top-k, and top-p / min-p whose
+        // cut falls among the 64 best: those candidates and the log-partition), after the
+        // request's adjustments (logit_bias, penalties, updated as the output grows) and a
+        // grammar's mask of allowed tokens are sent there, the mask computed while the device runs
+        // the step. A top-k past 64, and logprobs of adjusted logits, sample from every logit on
+        // the host, adjusted and masked there.
+        let mut sampler = Sampler::new(req.sampling.clone(), vocab_limit.unwrap_or(usize::MAX), prompt);
         let mut choice = sampler.device_choice(req.logprobs);
         if constraint.is_some() && choice.is_some() && !self.model.set_token_mask(None)? {
             choice = None;
         }
-        // Log-probabilities are of the unbiased logits, which the device no longer has.
-        if !bias.is_empty() && choice.is_some() && (req.logprobs.is_some() || !self.model.set_logit_bias(&bias)?) {
+        if req.sampling.adjusts_logits() && choice.is_some() && !self.model.set_logit_adjustments(sampler.adjustments().list())? {
             choice = None;
         }
-        if choice.is_none() && !bias.is_empty() {
-            sampler.set_logit_bias(bias);
+        if choice.is_some() {
+            sampler.adjust_on_device();
         }
+        let mut adjustments_sent = sampler.adjustments().version();
         let limit = sampler.vocab_limit();
-        let want = match choice {
-            None => StepOutput::Logits,
-            Some(DeviceChoice::Argmax) => StepOutput::Argmax { limit },
-            Some(DeviceChoice::TopK { k, temperature, cut }) => StepOutput::TopK { k, limit, temperature, cut },
-        };
         // The next token, and its log-probabilities when the request asks for them.
-        let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize, history: &[u32]| -> Result<(u32, Option<TokenLogprob>)> {
+        let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize| -> Result<(u32, Option<TokenLogprob>)> {
+            if choice.is_some() && sampler.adjustments().version() != adjustments_sent {
+                model.set_logit_adjustments(sampler.adjustments().list())?;
+                adjustments_sent = sampler.adjustments().version();
+            }
+            let want = match choice {
+                None => StepOutput::Logits,
+                Some(DeviceChoice::Argmax) => StepOutput::Argmax { limit },
+                Some(DeviceChoice::Draw { temperature }) => StepOutput::Draw { limit, temperature, u: sampler.uniform() },
+                Some(DeviceChoice::TopK { k, temperature, cut }) => StepOutput::TopK { k, limit, temperature, cut },
+            };
             let mut host_mask = None;
             let result = model.step_with(tokens, pos, want, &mut || {
                 let Some(c) = constraint.as_mut() else { return Ok(None) };
@@ -460,24 +464,25 @@ impl Engine {
                     (token, lp)
                 }
                 // Every logit: a host choice, or a top-p / min-p cut past the device's candidates
-                // (those logits come with the mask and biases applied; the sampler adds none).
+                // (those logits come adjusted and masked; the sampler adjusts them no more).
                 StepResult::Logits(mut logits) => {
                     if let Some(words) = &host_mask {
                         crate::backend::apply_token_mask(&mut logits, words);
                     }
                     let before = req.logprobs.map(|_| logits.clone());
-                    let token = sampler.sample(&mut logits, history, prompt.len());
+                    let token = sampler.sample(&mut logits);
                     (token, before.zip(req.logprobs).map(|(logits, top)| TokenLogprob::new(&logits, limit, token, top)))
                 }
             };
             if let Some(c) = constraint.as_mut() {
                 c.accept(token)?;
             }
+            sampler.accept(token);
             Ok((token, logprob))
         };
         let mut history = prompt.clone();
         // A failed step may leave the cache (recurrent states above all) part-written: forget it.
-        let (mut next, mut next_logprob) = next_token(&mut self.model, &prompt[reuse..], reuse, &history).inspect_err(|_| self.cached.clear())?;
+        let (mut next, mut next_logprob) = next_token(&mut self.model, &prompt[reuse..], reuse).inspect_err(|_| self.cached.clear())?;
         self.cached.extend_from_slice(&prompt[reuse..]);
         let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -518,7 +523,7 @@ impl Engine {
                 break;
             }
             let pos = self.cached.len();
-            (next, next_logprob) = next_token(&mut self.model, &[next], pos, &history).inspect_err(|_| self.cached.clear())?;
+            (next, next_logprob) = next_token(&mut self.model, &[next], pos).inspect_err(|_| self.cached.clear())?;
             self.cached.push(history[history.len() - 1]);
         }
         if let (Some(tok), false) = (text_tokenizer, stopped_by_string) {
@@ -714,8 +719,8 @@ impl LanguageModel for Noted {
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
         self.inner.set_token_mask(mask)
     }
-    fn set_logit_bias(&mut self, bias: &[(u32, f32)]) -> Result<bool> {
-        self.inner.set_logit_bias(bias)
+    fn set_logit_adjustments(&mut self, list: &[Adjustment]) -> Result<bool> {
+        self.inner.set_logit_adjustments(list)
     }
     fn backend_description(&self) -> String {
         format!("{} (not the GPU: {})", self.inner.backend_description(), self.note)

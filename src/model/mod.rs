@@ -17,6 +17,7 @@ pub use config::{Architecture, ModelConfig};
 pub use weights::{LoadProgress, WeightSource};
 
 use crate::backend::{Backend, Capability, StepOutput, StepResult};
+use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
 /// A model bound to a backend with its own KV cache: what the engine drives.
@@ -52,8 +53,8 @@ pub trait LanguageModel: Send {
     /// See `Backend::set_token_mask`: Ok(false) where the backend cannot (the caller then masks
     /// the logits on the host).
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool>;
-    /// See `Backend::set_logit_bias`: Ok(false) where the backend cannot.
-    fn set_logit_bias(&mut self, bias: &[(u32, f32)]) -> Result<bool>;
+    /// See `Backend::set_logit_adjustments`: Ok(false) where the backend cannot.
+    fn set_logit_adjustments(&mut self, list: &[Adjustment]) -> Result<bool>;
     fn backend_description(&self) -> String;
     /// Whether a step may start at any cached position. Recurrent layers (Gated DeltaNet) keep
     /// one state for the positions so far: they continue from its end or start again at 0.
@@ -215,8 +216,8 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         supported(self.backend.set_token_mask(mask))
     }
 
-    fn set_logit_bias(&mut self, bias: &[(u32, f32)]) -> Result<bool> {
-        supported(self.backend.set_logit_bias(bias))
+    fn set_logit_adjustments(&mut self, list: &[Adjustment]) -> Result<bool> {
+        supported(self.backend.set_logit_adjustments(list))
     }
 
     fn backend_description(&self) -> String {
@@ -256,6 +257,7 @@ impl<B: Backend + 'static> Bound<B> {
         Ok(match want {
             StepOutput::Logits => StepResult::Logits(b.to_host(&logits)?),
             StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
+            StepOutput::Draw { limit, temperature, u } => StepResult::Token(b.draw(&logits, limit, temperature, u)?),
             StepOutput::TopK { k, limit, temperature, cut } => {
                 let best = b.top_k(&logits, k, limit)?;
                 crate::backend::candidates_result(b, &logits, best, limit, temperature, cut)?

@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, Rope, Routing};
 use crate::quant::{dot, QuantMatrix};
+use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
@@ -36,8 +37,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     /// See `Backend::set_token_mask`.
     token_mask: std::sync::Mutex<Option<Vec<u32>>>,
-    /// See `Backend::set_logit_bias`.
-    logit_bias: std::sync::Mutex<Vec<(u32, f32)>>,
+    /// See `Backend::set_logit_adjustments`.
+    logit_adjust: std::sync::Mutex<Vec<Adjustment>>,
 }
 
 impl CpuBackend {
@@ -48,15 +49,15 @@ impl CpuBackend {
             .thread_name(|i| format!("atlas-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
-        Ok(CpuBackend { pool, token_mask: std::sync::Mutex::new(None), logit_bias: std::sync::Mutex::new(Vec::new()) })
+        Ok(CpuBackend { pool, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
     }
 
-    /// The logits as argmax and top_k see them: the biases added, the token mask applied.
+    /// The logits as argmax and top_k see them: adjusted, the token mask applied.
     fn masked(&self, x: &CpuTensor) -> Vec<f32> {
         let mut values = x.data.clone();
-        for &(id, bias) in self.logit_bias.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            if let Some(v) = values.get_mut(id as usize) {
-                *v += bias;
+        for a in self.logit_adjust.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if let Some(v) = values.get_mut(a.id as usize) {
+                *v = a.apply(*v);
             }
         }
         if let Some(mask) = self.token_mask.lock().unwrap_or_else(|p| p.into_inner()).as_deref() {
@@ -480,8 +481,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn set_logit_bias(&self, bias: &[(u32, f32)]) -> Result<()> {
-        *self.logit_bias.lock().unwrap_or_else(|p| p.into_inner()) = bias.to_vec();
+    fn set_logit_adjustments(&self, list: &[Adjustment]) -> Result<()> {
+        *self.logit_adjust.lock().unwrap_or_else(|p| p.into_inner()) = list.to_vec();
         Ok(())
     }
 

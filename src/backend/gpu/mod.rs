@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use self::runtime::{Arg, Runtime};
 use super::{AttentionShape, Backend, Capability, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
-use crate::sampling::{LogPartition, MAX_DEVICE_TOP_K};
+use crate::sampling::{Adjustment, LogPartition, MAX_DEVICE_TOP_K};
 use crate::quant::{DType, QuantMatrix};
 use crate::{Error, Result};
 
@@ -131,9 +131,9 @@ pub struct GpuBackend {
     /// The token mask (see `Backend::set_token_mask`) as argmax and top_k read it: the word count
     /// (0: no mask), then the words; made at the first mask and kept (recorded steps point at it).
     token_mask: Mutex<Option<(DeviceBuffer, usize)>>,
-    /// A request's logit_bias (see `Backend::set_logit_bias`) as the logit_bias kernel reads it:
-    /// the count, the ids, the biases; with its capacity in entries, kept like the mask.
-    logit_bias: Mutex<Option<(DeviceBuffer, usize)>>,
+    /// A request's adjustments (see `Backend::set_logit_adjustments`) as the logit_adjust kernel reads them:
+    /// the count, the ids, then the biases, repetitions and subtrahends; with its capacity in entries, kept like the mask.
+    logit_adjust: Mutex<Option<(DeviceBuffer, usize)>>,
 }
 
 /// The recorded decode step. While recording, ops read the token and position from `inputs`
@@ -187,6 +187,7 @@ const MAX_HEAD_DIM: usize = 256;
 const ARGMAX_BLOCKS: u32 = 128;
 const TOPK_BLOCKS: u32 = 128;
 const LOGZ_BLOCKS: u32 = 128;
+const DRAW_BLOCKS: u32 = 128;
 /// TOPK_MAX of kernels/sampling.hip.
 const TOPK_PARTIAL: usize = TOPK_BLOCKS as usize * MAX_DEVICE_TOP_K;
 
@@ -206,7 +207,10 @@ impl Scratch {
     const LOGZ_TICKET: u64 = Self::TOPK_OUT_I + MAX_DEVICE_TOP_K as u64 * 4;
     const LOGZ_PART: u64 = Self::LOGZ_TICKET + 4;
     const LOGZ_OUT: u64 = Self::LOGZ_PART + 3 * LOGZ_BLOCKS as u64 * 4;
-    const BYTES: usize = (Self::LOGZ_OUT + 2 * 4) as usize;
+    const DRAW_TICKET: u64 = Self::LOGZ_OUT + 2 * 4;
+    const DRAW_PART: u64 = Self::DRAW_TICKET + 4;
+    const DRAW_OUT: u64 = Self::DRAW_PART + 2 * DRAW_BLOCKS as u64 * 4;
+    const BYTES: usize = (Self::DRAW_OUT + 4) as usize;
 }
 
 fn blocks(n: usize, per: u32) -> u32 {
@@ -247,7 +251,7 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), token_mask: Mutex::new(None), logit_bias: Mutex::new(None) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None) }
     }
 
     fn decode_state(&self) -> std::sync::MutexGuard<'_, DecodeGraph> {
@@ -269,7 +273,7 @@ impl GpuBackend {
         let limit = match want {
             StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
             // The recording's argmax then reads nothing: the choice is made after the replay.
-            StepOutput::Logits | StepOutput::TopK { .. } => 0,
+            StepOutput::Logits | StepOutput::TopK { .. } | StepOutput::Draw { .. } => 0,
         };
         let mut bytes = [0u8; 12];
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
@@ -534,7 +538,7 @@ impl GpuBackend {
     }
 
     /// Writes a count-prefixed list that argmax, top_k and the recorded decode step read at a fixed
-    /// address (the token mask, the logit biases): `Some((entries, capacity, bytes))` with the
+    /// address (the token mask, the logit adjustments): `Some((entries, capacity, bytes))` with the
     /// whole list in `bytes`, count first, or None to set the count to 0 (nothing to do before
     /// the first list). A list past its buffer's entries gets a buffer for `capacity` of them,
     /// and the recorded step, which points at the old buffer, is forgotten.
@@ -557,12 +561,31 @@ impl GpuBackend {
         self.rt.upload(ptr, bytes)
     }
 
-    /// Adds the request's logit biases to `logits` in place (nothing before the first biases).
-    fn add_logit_bias(&self, logits: &GpuTensor) -> Result<()> {
-        let slot = self.logit_bias.lock().unwrap_or_else(|p| p.into_inner());
+    /// Adds the request's adjustments to `logits` in place (nothing before the first ones).
+    fn adjust_logits(&self, logits: &GpuTensor) -> Result<()> {
+        let slot = self.logit_adjust.lock().unwrap_or_else(|p| p.into_inner());
         let Some((buf, capacity)) = slot.as_ref() else { return Ok(()) };
         let args = [Arg::Ptr(logits.buf.ptr), Arg::I32(logits.cols as i32), Arg::Ptr(buf.ptr)];
-        self.rt.launch("logit_bias", [blocks(*capacity, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &args)
+        self.rt.launch("logit_adjust", [blocks(*capacity, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &args)
+    }
+
+    /// The id a uniform `u` picks from the softmax at `temperature` of the first `limit` logits
+    /// (mask applied), walking the ids in order; see the draw_in_order kernel.
+    fn launch_draw(&self, logits: &GpuTensor, limit: usize, temperature: f32, u: f32) -> Result<u32> {
+        let base = self.tickets()?;
+        let args = [
+            Arg::Ptr(logits.buf.ptr),
+            Arg::I32(logits.cols as i32),
+            Arg::I32(limit.min(i32::MAX as usize) as i32),
+            Arg::Ptr(self.token_mask_ptr()),
+            Arg::F32(1.0 / temperature),
+            Arg::F32(u),
+            Arg::Ptr(base + Scratch::DRAW_PART),
+            Arg::Ptr(base + Scratch::DRAW_TICKET),
+            Arg::Ptr(base + Scratch::DRAW_OUT),
+        ];
+        self.rt.launch("draw_in_order", [DRAW_BLOCKS, 1, 1], [256, 1, 1], 0, &args)?;
+        self.download_token(base + Scratch::DRAW_OUT)
     }
 
     /// The `k` largest of the first `limit` logits (mask applied), on the device where it can.
@@ -1057,18 +1080,18 @@ impl Backend for GpuBackend {
     }
 
     fn argmax(&self, x: &GpuTensor, limit: usize) -> Result<u32> {
-        self.add_logit_bias(x)?;
+        self.adjust_logits(x)?;
         let out = self.scratch(4)?;
         self.launch_argmax(x, limit, 0, out.ptr)?;
         self.download_token(out.ptr)
     }
 
     fn top_k(&self, x: &GpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
-        self.add_logit_bias(x)?;
+        self.adjust_logits(x)?;
         self.select_top_k(x, k, limit)
     }
 
-    // argmax and top_k add the biases to x in place: what follows sees them already added.
+    // argmax and top_k adjust x in place: what follows sees the adjustments made.
     fn log_partition(&self, x: &GpuTensor, limit: usize, temperature: f32) -> Result<LogPartition> {
         if x.rows != 1 || temperature.is_nan() || temperature <= 0.0 {
             return Ok(LogPartition::of(&self.chosen_logits(x)?, limit, temperature));
@@ -1100,17 +1123,27 @@ impl Backend for GpuBackend {
         Ok(values)
     }
 
-    fn set_logit_bias(&self, bias: &[(u32, f32)]) -> Result<()> {
-        if bias.is_empty() {
-            return self.put_step_list(&self.logit_bias, None);
+    fn set_logit_adjustments(&self, list: &[Adjustment]) -> Result<()> {
+        if list.is_empty() {
+            return self.put_step_list(&self.logit_adjust, None);
         }
-        let count = i32::try_from(bias.len()).map_err(|_| Error::InvalidArgument("logit_bias too long".into()))?;
-        let ids = bias.iter().map(|&(id, _)| id.min(i32::MAX as u32) as i32);
+        let count = i32::try_from(list.len()).map_err(|_| Error::InvalidArgument("too many logit adjustments".into()))?;
+        let ids = list.iter().map(|a| a.id.min(i32::MAX as u32) as i32);
         let mut bytes: Vec<u8> = std::iter::once(count).chain(ids).flat_map(i32::to_le_bytes).collect();
-        bytes.extend(bias.iter().flat_map(|&(_, b)| b.to_le_bytes()));
+        for field in [|a: &Adjustment| a.bias, |a: &Adjustment| a.repetition, |a: &Adjustment| a.subtract] {
+            bytes.extend(list.iter().flat_map(|a| field(a).to_le_bytes()));
+        }
         // The kernel runs over the list's capacity: a few sizes only, each recorded once.
-        let capacity = bias.len().next_power_of_two().max(64);
-        self.put_step_list(&self.logit_bias, Some((bias.len(), capacity, &bytes)))
+        let capacity = list.len().next_power_of_two().max(64);
+        self.put_step_list(&self.logit_adjust, Some((list.len(), capacity, &bytes)))
+    }
+
+    fn draw(&self, x: &GpuTensor, limit: usize, temperature: f32, u: f32) -> Result<u32> {
+        if x.rows != 1 {
+            return Ok(crate::sampling::draw_in_order(&self.chosen_logits(x)?, limit, temperature, u));
+        }
+        self.adjust_logits(x)?;
+        self.launch_draw(x, limit, temperature, u)
     }
 
     fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<bool> {
@@ -1129,12 +1162,16 @@ impl Backend for GpuBackend {
             StepOutput::Argmax { limit } => {
                 let token = d.token.as_ref().ok_or_else(missing)?;
                 if mask_changed {
-                    // The recording chose under the previous mask: choose again (biases added).
+                    // The recording chose under the previous mask: choose again (the logits adjusted already).
                     self.launch_argmax(d.logits.as_ref().ok_or_else(missing)?, limit, 0, token.ptr)?;
                 }
                 Ok(StepResult::Token(self.download_token(token.ptr)?))
             }
-            // Selected after the replay, from the recorded step's logits (the biases added there).
+            // Drawn after the replay, from the recorded step's logits (adjusted there).
+            StepOutput::Draw { limit, temperature, u } => {
+                Ok(StepResult::Token(self.launch_draw(d.logits.as_ref().ok_or_else(missing)?, limit, temperature, u)?))
+            }
+            // Selected after the replay, from the recorded step's logits (adjusted there).
             StepOutput::TopK { k, limit, temperature, cut } => {
                 let logits = d.logits.as_ref().ok_or_else(missing)?;
                 let best = self.select_top_k(logits, k, limit)?;
@@ -1172,7 +1209,7 @@ impl Backend for GpuBackend {
                 return Err(Error::InvalidArgument(format!("decode step returned [{}, {}]", out.rows, out.cols)));
             }
             self.rt.copy(logits.buf.ptr, out.buf.ptr, logits_bytes)?;
-            self.add_logit_bias(&logits)?;
+            self.adjust_logits(&logits)?;
             self.launch_argmax(&logits, vocab, inputs + 8, token_out.ptr)
         })?;
         let exec = capture.end()?;
