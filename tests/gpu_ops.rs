@@ -485,18 +485,19 @@ fn token_masks_restrict_argmax_and_top_k_as_on_the_cpu() {
     assert_eq!(g.argmax(&fresh.gpu, n).unwrap(), plain);
 }
 
-/// The ids whose interval of the in-order cumulative distribution lies within `margin` of `u`:
-/// where f32 sums on the device may part from the f64 reference.
-fn near_a_boundary(values: &[f32], limit: usize, temperature: f32, u: f32, margin: f64) -> bool {
+/// Each id's interval [lo, hi) of the in-order cumulative distribution (softmax at `temperature`
+/// of the first `limit` values, f64): u in [0, 1) picks the id whose interval holds it.
+fn cdf_intervals(values: &[f32], limit: usize, temperature: f32) -> Vec<(f64, f64)> {
     let v = &values[..limit];
     let max = v.iter().filter(|x| x.is_finite()).fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
     let w: Vec<f64> = v.iter().map(|&x| if x.is_finite() { ((x as f64 - max) / temperature as f64).exp() } else { 0.0 }).collect();
     let total: f64 = w.iter().sum();
     let mut cum = 0.0;
-    w.iter().any(|x| {
-        cum += x;
-        *x > 0.0 && ((cum / total) - u as f64).abs() < margin
-    })
+    w.iter().map(|x| {
+        let lo = cum;
+        cum += x / total;
+        (lo, cum)
+    }).collect()
 }
 
 #[test]
@@ -521,20 +522,27 @@ fn plain_temperature_draws_on_the_device_follow_the_reference() {
             c.set_token_mask(m).unwrap();
             let seen = c.chosen_logits(&logits.cpu).unwrap();
             for temperature in [0.7f32, 1.0, 1.6] {
-                let mut checked = 0;
+                let intervals = cdf_intervals(&seen, limit, temperature);
+                // Where u falls within f32 rounding of a boundary, the device's sums may pick the
+                // neighbour: its id must then still hold u within that rounding.
+                let margin = 1e-5;
+                let mut exact = 0;
                 for _ in 0..200 {
                     let u = rng.next_f32();
                     let got = g.draw(&logits.gpu, limit, temperature, u).unwrap();
                     assert_eq!(g.draw(&logits.gpu, limit, temperature, u).unwrap(), got, "the same draw twice");
                     assert!((got as usize) < limit && seen[got as usize].is_finite(), "drew {got}, which is not allowed");
-                    if near_a_boundary(&seen, limit, temperature, u, 1e-5) {
-                        continue;
-                    }
-                    checked += 1;
+                    let (lo, hi) = intervals[got as usize];
+                    let u64 = u as f64;
+                    assert!(u64 >= lo - margin && u64 < hi + margin, "n {n} masked {masked} T {temperature} u {u}: drew {got} of [{lo}, {hi})");
                     let want = c.draw(&logits.cpu, limit, temperature, u).unwrap();
-                    assert_eq!(got, want, "n {n} masked {masked} T {temperature} u {u}");
+                    if u64 - lo > margin && hi - u64 > margin {
+                        assert_eq!(got, want, "n {n} masked {masked} T {temperature} u {u}");
+                        exact += 1;
+                    }
                 }
-                assert!(checked > 150, "{checked} draws away from a boundary");
+                // Small vocabularies have wide intervals: most draws are far from a boundary.
+                assert!(n > 5000 || exact > 150, "{exact} draws away from a boundary");
             }
         }
     }
