@@ -180,9 +180,13 @@ fn uncached_bpe(json: &serde_json::Value) -> std::result::Result<Option<tokenize
     builder.build().map(Some).map_err(|e| e.to_string())
 }
 
+/// The most tokens a `Detokenizer` holds back waiting for a character to complete.
+pub const MAX_HELD_TOKENS: usize = 64;
+
 /// Turns a growing token sequence into text pieces without ever splitting a UTF-8 character: a
 /// token that ends in the middle of a multi-byte character is held back until the next one
-/// completes it (the prefix-offset method of text-generation-inference).
+/// completes it (the prefix-offset method of text-generation-inference), for at most
+/// MAX_HELD_TOKENS tokens.
 pub struct Detokenizer {
     ids: Vec<u32>,
     prefix_offset: usize,
@@ -200,7 +204,12 @@ impl Detokenizer {
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{fffd}') && full.is_char_boundary(prefix.len()) {
+        // A character needs at most 4 byte tokens: a window that still ends in an incomplete one
+        // after MAX_HELD_TOKENS is released as it decodes (U+FFFD included). Holding it longer
+        // would make each push decode an ever longer window (quadratic in the output).
+        let held_too_long = self.ids.len() - self.read_offset > MAX_HELD_TOKENS;
+        let complete = !full.ends_with('\u{fffd}') || held_too_long;
+        if full.len() > prefix.len() && complete && full.is_char_boundary(prefix.len()) {
             let piece = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
@@ -223,6 +232,26 @@ impl Detokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_character_that_never_completes_is_released_after_the_hold_limit() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/chat_tiny/tokenizer.json");
+        let tk = Tokenizer::from_file(&fixture).unwrap();
+        // Byte 0xE4 ("ä" in the byte-level alphabet) opens a 3-byte character; a run of them never
+        // completes one, then "é" (two bytes, complete) follows.
+        let lead = tk.token_to_id("\u{e4}").unwrap();
+        let ids: Vec<u32> = std::iter::repeat_n(lead, 3 * MAX_HELD_TOKENS).chain(tk.encode("é").unwrap()).collect();
+        let mut d = Detokenizer::new(true);
+        let mut pieces = Vec::new();
+        for &id in &ids {
+            pieces.push(d.push(&tk, id).unwrap());
+        }
+        let released_early = pieces[..2 * MAX_HELD_TOKENS].concat();
+        assert!(released_early.contains('\u{fffd}'), "nothing released while holding {} tokens", 2 * MAX_HELD_TOKENS);
+        let text = pieces.concat() + &d.finish(&tk).unwrap();
+        assert_eq!(text, tk.decode(&ids, true).unwrap());
+        assert!(text.ends_with('é'));
+    }
 
     /// The BPE model rebuilt without its cache encodes as the crate's own reading of the file.
     #[test]
