@@ -27,6 +27,9 @@ max_len() {
     case $1 in
         gguf|safetensors) echo 65536 ;;
         tokenizer_json|chat_template|chat_request) echo 16384 ;;
+        # 512 ids: eight times the detokenizer's hold limit (MAX_HELD_TOKENS); every push decodes
+        # a window bounded by it, so longer inputs only repeat the same work.
+        detokenizer) echo 1024 ;;
         *) echo 4096 ;;
     esac
 }

@@ -311,7 +311,7 @@ void test_server(const std::string& model_dir) {
     // Errors in the streaming path are one error frame, then done.
     FakeClient bad;
     json bad_request = user_request("hi", 4);
-    bad_request["logit_bias"] = json{{"1", 5}};
+    bad_request["n"] = 3;  // one choice per request: refused before anything is streamed
     server.forward_streaming_request("/v1/chat/completions", bad_request.dump(), bad.sink, true, 0, nullptr);
     const auto bad_events = bad.events();
     CHECK(bad_events.size() == 1 && bad.done && contains(bad_events[0], "\"error\"") && !contains(bad.bytes, "[DONE]"),
