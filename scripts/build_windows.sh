@@ -73,13 +73,7 @@ mkdir -p "$stage/include" "$stage/cmake" "$stage/licenses" dist
 cp "$out/atlas.exe" "$out/atlas.dll" "$stage/"
 "$strip" --strip-unneeded "$stage/atlas.exe" "$stage/atlas.dll"
 cp include/atlas.h "$stage/include/"
-cp cmake/AtlasConfig.cmake "$stage/cmake/"
-# AtlasConfigVersion.cmake reads the version from ../Cargo.toml, which the zip does not hold: the
-# packaged one has it written in.
-sed "s|^file(STRINGS .*Cargo\.toml.*|set(_atlas_version \"$version\")  # written in by scripts/build_windows.sh|" \
-    cmake/AtlasConfigVersion.cmake >"$stage/cmake/AtlasConfigVersion.cmake"
-grep -q "^set(_atlas_version \"$version\")" "$stage/cmake/AtlasConfigVersion.cmake" ||
-    die "could not write the version into cmake/AtlasConfigVersion.cmake"
+scripts/stage_cmake.sh "$stage/cmake" "$version"
 
 # Only system DLLs may be imported: anything else would have to ship in the zip.
 imports=$("$objdump" -p "$stage/atlas.dll" "$stage/atlas.exe" | sed -n 's/^\tDLL Name: //p' | tr 'A-Z' 'a-z' | sort -u)

@@ -19,10 +19,17 @@ for target in x86_64-unknown-linux-gnu x86_64-pc-windows-gnu; do
         --no-build-deps --target "$target" --override-filename "$name.cdx"
     mv "$name.cdx.json" "dist/$name.cdx.json"
     python3 - "dist/$name.cdx.json" <<'PY'
-import json, sys
-bom = json.load(open(sys.argv[1]))
-assert bom["bomFormat"] == "CycloneDX", sys.argv[1]
-print(f"sbom: {sys.argv[1]}: {len(bom['components'])} components")
+import hashlib, json, sys, uuid
+path = sys.argv[1]
+bom = json.load(open(path))
+assert bom["bomFormat"] == "CycloneDX", path
+# cargo-cyclonedx draws a random serial number: derive it from the content instead, so the same
+# tree gives the same file (and the release archives that carry it the same checksums).
+bom.pop("serialNumber", None)
+digest = hashlib.sha256(json.dumps(bom, sort_keys=True).encode()).hexdigest()
+bom["serialNumber"] = f"urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, 'atlas-sbom:' + digest)}"
+json.dump(bom, open(path, "w"), indent=2)
+print(f"sbom: {path}: {len(bom['components'])} components")
 PY
     python3 scripts/third_party.py --target "$target" --out "dist/THIRD-PARTY-$target.txt"
 done
