@@ -1,9 +1,10 @@
-//! GGML block formats (the weights of GGUF files): Q8_0, Q4_0, Q4_1 (blocks of 32) and the k-quants
-//! Q4_K, Q5_K, Q6_K (super-blocks of 256). A matrix keeps its raw blocks, row-major, each row a whole
+//! GGML block formats (the weights of GGUF files): Q8_0, Q4_0, Q4_1, IQ4_NL (blocks of 32), the
+//! k-quants Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks of 256), and the FP4 formats MXFP4 and NVFP4
+//! (`super::fp4`). A matrix keeps its raw blocks, row-major, each row a whole
 //! number of blocks; `dequant_row` is the CPU reference and follows ggml's `dequantize_row_*` step for
 //! step (same products in the same order, all in f32), so it matches ggml's own output.
 
-use super::{DType, QuantMatrix};
+use super::{fp4, DType, QuantMatrix};
 use crate::{Error, Result};
 
 /// The block formats Atlas can decode.
@@ -16,20 +17,35 @@ pub enum GgmlFormat {
     Q4_K,
     Q5_K,
     Q6_K,
+    IQ4_NL,
+    IQ4_XS,
+    MXFP4,
+    NVFP4,
 }
 
 /// Elements per k-quant super-block (ggml's QK_K).
 const QK_K: usize = 256;
 
 impl GgmlFormat {
-    pub const ALL: [GgmlFormat; 6] =
-        [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K];
+    pub const ALL: [GgmlFormat; 10] = [
+        GgmlFormat::Q8_0,
+        GgmlFormat::Q4_0,
+        GgmlFormat::Q4_1,
+        GgmlFormat::Q4_K,
+        GgmlFormat::Q5_K,
+        GgmlFormat::Q6_K,
+        GgmlFormat::IQ4_NL,
+        GgmlFormat::IQ4_XS,
+        GgmlFormat::MXFP4,
+        GgmlFormat::NVFP4,
+    ];
 
     /// Elements per block.
     pub fn block_size(self) -> usize {
         match self {
-            GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q4_1 => 32,
-            GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K => QK_K,
+            GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q4_1 | GgmlFormat::IQ4_NL | GgmlFormat::MXFP4 => 32,
+            GgmlFormat::NVFP4 => 64,
+            GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K | GgmlFormat::IQ4_XS => QK_K,
         }
     }
 
@@ -42,6 +58,10 @@ impl GgmlFormat {
             GgmlFormat::Q4_K => 144,
             GgmlFormat::Q5_K => 176,
             GgmlFormat::Q6_K => 210,
+            GgmlFormat::IQ4_NL => 18,
+            GgmlFormat::IQ4_XS => 136,
+            GgmlFormat::MXFP4 => 17,
+            GgmlFormat::NVFP4 => 36,
         }
     }
 
@@ -54,6 +74,10 @@ impl GgmlFormat {
             GgmlFormat::Q4_K => 12,
             GgmlFormat::Q5_K => 13,
             GgmlFormat::Q6_K => 14,
+            GgmlFormat::IQ4_NL => 20,
+            GgmlFormat::IQ4_XS => 23,
+            GgmlFormat::MXFP4 => 39,
+            GgmlFormat::NVFP4 => 40,
         }
     }
 
@@ -69,6 +93,10 @@ impl GgmlFormat {
             GgmlFormat::Q4_K => DType::Q4_K,
             GgmlFormat::Q5_K => DType::Q5_K,
             GgmlFormat::Q6_K => DType::Q6_K,
+            GgmlFormat::IQ4_NL => DType::IQ4_NL,
+            GgmlFormat::IQ4_XS => DType::IQ4_XS,
+            GgmlFormat::MXFP4 => DType::MXFP4,
+            GgmlFormat::NVFP4 => DType::NVFP4,
         }
     }
 
@@ -106,6 +134,10 @@ impl GgmlFormat {
                 GgmlFormat::Q4_K => q4_k(b, y),
                 GgmlFormat::Q5_K => q5_k(b, y),
                 GgmlFormat::Q6_K => q6_k(b, y),
+                GgmlFormat::IQ4_NL => iq4_nl(b, y),
+                GgmlFormat::IQ4_XS => iq4_xs(b, y),
+                GgmlFormat::MXFP4 => fp4::mxfp4(b, y),
+                GgmlFormat::NVFP4 => fp4::nvfp4_ggml(b, y),
             }
         }
     }
@@ -224,6 +256,39 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
             out[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
             out[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
         }
+    }
+}
+
+/// The 16 non-linear 4-bit levels of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
+const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// block_iq4_nl { f16 d; u8 qs[16] }: low nibbles are elements 0..16, high nibbles 16..32; y = d *
+/// IQ4_LEVELS[q].
+fn iq4_nl(b: &[u8], y: &mut [f32]) {
+    iq4_run(f16_at(b, 0), &b[2..18], y);
+}
+
+/// 32 elements from 16 bytes of IQ4 codes at scale `d`: low nibbles first, then high nibbles.
+fn iq4_run(d: f32, qs: &[u8], y: &mut [f32]) {
+    let (lo, hi) = y.split_at_mut(16);
+    for (j, &q) in qs.iter().enumerate() {
+        lo[j] = d * IQ4_LEVELS[(q & 0x0F) as usize] as f32;
+        hi[j] = d * IQ4_LEVELS[(q >> 4) as usize] as f32;
+    }
+}
+
+/// block_iq4_xs { f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }: eight runs of 32 as IQ4_NL's,
+/// each at d * (ls - 32) with the 6-bit ls of run i = nibble i of `scales_l` (low first) | 2 bits
+/// of `scales_h` at 2i, shifted up by 4.
+fn iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+    let scales_l = &b[4..8];
+    for (i, (qs, out)) in b[8..136].chunks_exact(16).zip(y.chunks_exact_mut(32)).enumerate() {
+        let low = (scales_l[i / 2] >> (4 * (i % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * i)) & 3) as u8;
+        let ls = (low | (high << 4)) as i32 - 32;
+        iq4_run(d * ls as f32, qs, out);
     }
 }
 

@@ -3,6 +3,7 @@
 //! backend builds its products on that one method, so a new format needs only its dequantisation.
 
 mod dense;
+pub mod fp4;
 pub mod fp8;
 mod ggml;
 pub mod synthetic;
@@ -26,6 +27,12 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    IQ4_NL,
+    IQ4_XS,
+    /// FP4 (E2M1) in blocks of 32 with a power-of-two scale (OCP microscaling).
+    MXFP4,
+    /// FP4 (E2M1) in blocks of 16 with an FP8 (E4M3) scale each (GGUF's four-block layout).
+    NVFP4,
 }
 
 impl DType {
@@ -41,6 +48,10 @@ impl DType {
             DType::Q4_K => "q4_k",
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
+            DType::IQ4_NL => "iq4_nl",
+            DType::IQ4_XS => "iq4_xs",
+            DType::MXFP4 => "mxfp4",
+            DType::NVFP4 => "nvfp4",
         }
     }
 }
