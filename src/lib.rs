@@ -6,6 +6,7 @@ pub mod backend;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod gguf;
 pub mod grammar;
 pub mod ffi;

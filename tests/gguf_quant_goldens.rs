@@ -40,7 +40,8 @@ fn dequantisation_matches_gguf_py() {
         println!("{name}: {rows}x{cols}, max abs diff {worst:e}");
         seen.push(format);
     }
-    for f in GgmlFormat::ALL {
+    // gguf-py has every format but the ROCmFPX fork's (checked by hand-computed blocks in quant::fp4).
+    for f in GgmlFormat::ALL.into_iter().filter(|f| !matches!(f, GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST)) {
         assert!(seen.contains(&f), "no golden for {f}");
     }
 }

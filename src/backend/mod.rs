@@ -118,6 +118,8 @@ impl std::fmt::Display for Capability {
 pub enum StepOutput {
     /// Every logit, for sampling on the host.
     Logits,
+    /// Every logit of every position of the step, `[T, vocab]` row-major (scoring a text).
+    AllLogits,
     /// Only the index of the largest logit among the first `limit` (greedy decoding).
     Argmax { limit: usize },
     /// The `k` largest logits among the first `limit`, as (id, logit), largest first (top-k

@@ -273,6 +273,19 @@ impl Engine {
         self.forward(tokens, 0)
     }
 
+    /// Logits of every position of `tokens` (`tokens.len()` rows of `vocab_size`, row-major),
+    /// computed from an empty cache in one pass: what scoring a text (perplexity, KL divergence)
+    /// needs.
+    pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.prepare_forward(tokens, 0)?;
+        let logits = match self.model.step(tokens, 0, StepOutput::AllLogits)? {
+            StepResult::Logits(l) => l,
+            _ => return Err(Error::Device("the backend did not return logits".into())),
+        };
+        self.cached.extend_from_slice(tokens);
+        Ok(logits)
+    }
+
     /// Runs `tokens` at positions `start_pos..` on top of the first `start_pos` cached tokens and
     /// returns the last logits (benchmarks drive the model through this).
     pub fn forward(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {

@@ -58,6 +58,9 @@ const GGML_TYPES: &[(u32, &str, u64, u64)] = &[
     (39, "MXFP4", 32, 17),
     (40, "NVFP4", 64, 36),
     (41, "Q1_0", 128, 18),
+    // The ROCmFPX llama.cpp fork's ROCmFP4 types.
+    (100, "Q4_0_ROCMFP4", 32, 18),
+    (101, "Q4_0_ROCMFP4_FAST", 32, 17),
 ];
 
 /// A ggml tensor type known to this reader (its size is known, even when Atlas cannot decode it).

@@ -491,7 +491,7 @@ impl GgufStore {
             Error::bad_tensor(
                 name,
                 format!(
-                    "ggml type {ty} of GGUF tensor {} is not supported (f32, f16, bf16, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4, nvfp4)",
+                    "ggml type {ty} of GGUF tensor {} is not supported (f32, f16, bf16, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4, nvfp4, q4_0_rocmfp4, q4_0_rocmfp4_fast)",
                     t.name
                 ),
             )

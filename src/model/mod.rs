@@ -95,8 +95,27 @@ pub trait Network<B: Backend>: Send + Sync {
     /// A fresh cache per layer for `capacity` positions (recurrent states start at zero).
     fn new_cache(&self, b: &B, capacity: usize) -> Result<Vec<LayerCache<B>>>;
     /// Runs `tokens` at positions `start_pos..` and returns the logits of the last one
-    /// (`[1, vocab_size]`, on the backend). The cache must hold positions `0..start_pos`.
-    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>]) -> Result<B::Tensor>;
+    /// (`[1, vocab_size]`, on the backend), or of every one (`[T, vocab_size]`). The cache must
+    /// hold positions `0..start_pos`.
+    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>], rows: LogitRows) -> Result<B::Tensor>;
+}
+
+/// Whose logits a forward pass computes: the last position's (generation), or every position's
+/// (scoring a text: perplexity, KL divergence).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    Last,
+    All,
+}
+
+impl LogitRows {
+    /// The rows of the final hidden states `x` `[T, H]` that go on to the head.
+    fn of<B: Backend>(self, b: &B, x: B::Tensor) -> Result<B::Tensor> {
+        match self {
+            LogitRows::Last => b.last_row(&x),
+            LogitRows::All => Ok(x),
+        }
+    }
 }
 
 /// What `config` needs of a backend beyond the dense decoder.
@@ -230,10 +249,10 @@ impl<B: Backend + 'static> Bound<B> {
     /// device works, sets the mask it returns, then makes the choice.
     fn run_step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
         let vocab = self.model.config().vocab_size;
-        if let ([token], true) = (tokens, self.passes > 0 && self.recordable) {
+        if let ([token], true) = (tokens, self.passes > 0 && self.recordable && want != StepOutput::AllLogits) {
             let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
             let queued = b.replay_decode(*token, start_pos, want)? || {
-                let mut step = || model.forward(b, tokens, start_pos, cache);
+                let mut step = || model.forward(b, tokens, start_pos, cache, LogitRows::Last);
                 match b.record_decode(*token, start_pos, vocab, want, &mut step) {
                     Ok(recorded) => recorded,
                     // The driver could not record this step (nothing ran): run it, and the
@@ -252,10 +271,11 @@ impl<B: Backend + 'static> Bound<B> {
         }
         self.passes += 1;
         let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
-        let logits = model.forward(b, tokens, start_pos, cache)?;
+        let rows = if want == StepOutput::AllLogits { LogitRows::All } else { LogitRows::Last };
+        let logits = model.forward(b, tokens, start_pos, cache, rows)?;
         set_mask(b, meanwhile)?;
         Ok(match want {
-            StepOutput::Logits => StepResult::Logits(b.to_host(&logits)?),
+            StepOutput::Logits | StepOutput::AllLogits => StepResult::Logits(b.to_host(&logits)?),
             StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
             StepOutput::Draw { limit, temperature, u } => StepResult::Token(b.draw(&logits, limit, temperature, u)?),
             StepOutput::TopK { k, limit, temperature, cut } => {

@@ -11,7 +11,7 @@
 use super::config::{ModelConfig, RopeScaling};
 use super::loader::{Linear, Loader};
 use super::mlp::FeedForward;
-use super::{LayerCache, Network};
+use super::{LayerCache, LogitRows, Network};
 use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{AttentionShape, Backend, QkNorms, Rope};
 use crate::Result;
@@ -96,7 +96,7 @@ impl<B: Backend> Network<B> for Qwen3<B> {
         (0..self.layers.len()).map(|_| Ok(LayerCache::Attention(backend.new_kv_cache(self.config.kv_width(), capacity)?))).collect()
     }
 
-    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>]) -> Result<B::Tensor> {
+    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>], rows: LogitRows) -> Result<B::Tensor> {
         let c = &self.config;
         let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
         let eps = c.rms_norm_eps;
@@ -113,9 +113,9 @@ impl<B: Backend> Network<B> for Qwen3<B> {
 
             layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))
         }
-        let last = b.rms_norm(&b.last_row(&x)?, &self.norm, eps)?; // [1, H]
+        let x = b.rms_norm(&rows.of(b, x)?, &self.norm, eps)?; // [1, H], or [T, H] for every position
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        b.linear(&last, head, None)
+        b.linear(&x, head, None)
     }
 }
 

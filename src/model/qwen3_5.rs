@@ -19,7 +19,7 @@ use super::loader::Loader;
 use super::mlp::FeedForward;
 use super::qwen3::inv_freq;
 use super::weights::{LoadProgress, WeightSource};
-use super::{LayerCache, Network};
+use super::{LayerCache, LogitRows, Network};
 use crate::backend::{AttentionShape, Backend, DeltaShape, QkNorms, Rope};
 use crate::{Error, Result};
 
@@ -170,7 +170,7 @@ impl<B: Backend> Network<B> for Qwen35<B> {
             .collect()
     }
 
-    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>]) -> Result<B::Tensor> {
+    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>], rows: LogitRows) -> Result<B::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
@@ -198,7 +198,7 @@ impl<B: Backend> Network<B> for Qwen35<B> {
             }
             layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))
         }
-        let last = b.rms_norm(&b.last_row(&x)?, &self.norm, eps)?; // [1, H]
-        b.linear(&last, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+        let x = b.rms_norm(&rows.of(b, x)?, &self.norm, eps)?; // [1, H], or [T, H] for every position
+        b.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

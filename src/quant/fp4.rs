@@ -1,7 +1,9 @@
-//! FP4 formats: 4-bit E2M1 codes (a sign bit and the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) in
-//! small blocks, each block with a scale: MXFP4 (32 codes, a power-of-two E8M0 scale) and NVFP4
-//! (16 codes, an FP8 E4M3 scale) as GGUF stores them. The CPU references; the codes are kept as
-//! doubled integers (-12..12) so a block is integers times one float.
+//! FP4 formats: 4-bit codes (a sign bit and eight magnitudes) in small blocks, each block with a
+//! scale. MXFP4 (32 E2M1 codes, a power-of-two E8M0 scale) and NVFP4 (16 E2M1 codes, an FP8 E4M3
+//! scale) as GGUF stores them, and ROCmFP4 (GGUF types 100 and 101 of the ROCmFPX llama.cpp fork:
+//! 32 codes over the magnitudes 0, 1, 2, 3, 4, 6, 8, 10, with one or two "half E4M3" scales). The
+//! CPU references; E2M1 codes are kept as doubled integers (-12..12) so a block is integers times
+//! one float.
 
 /// E2M1 code → value × 2 (bit 3 is the sign).
 const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -45,6 +47,35 @@ pub(super) fn nvfp4_ggml(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// ROCmFP4's "Codebook10": code → signed integer (bit 3 is the sign; code 8 is 0).
+const CODEBOOK10: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 10, 0, -1, -2, -3, -4, -6, -8, -10];
+
+/// ROCmFP4's scale byte (4-bit exponent, 3-bit mantissa, bias 8): 2^(exp-8) · (1 + man/8), or
+/// man · 2^-10 for exp 0. Bytes past 0x7E are invalid in the fork's files and decode to 0, as its
+/// CPU code does.
+fn rocmfp4_scale(x: u8) -> f32 {
+    let (exp, man) = ((x >> 3) as i32, (x & 7) as f32);
+    match (x, exp) {
+        (0x7F.., _) => 0.0,
+        (_, 0) => man * (2f32).powi(-10),
+        _ => (1.0 + man / 8.0) * (2f32).powi(exp - 8),
+    }
+}
+
+/// block_rocmfp4 { u8 qs[16]; u8 e[2] } (type 100) or { u8 qs[16]; u8 e } (type 101): the codes
+/// come first; low nibbles are elements 0..16 (scale e[0]), high nibbles 16..32 (e[1], or e again).
+pub(super) fn rocmfp4(b: &[u8], y: &mut [f32]) {
+    let (lo_scale, hi_scale) = match b.len() {
+        18 => (rocmfp4_scale(b[16]), rocmfp4_scale(b[17])),
+        _ => (rocmfp4_scale(b[16]), rocmfp4_scale(b[16])),
+    };
+    let (lo, hi) = y.split_at_mut(16);
+    for (j, &q) in b[..16].iter().enumerate() {
+        lo[j] = lo_scale * CODEBOOK10[(q & 0x0F) as usize] as f32;
+        hi[j] = hi_scale * CODEBOOK10[(q >> 4) as usize] as f32;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +101,29 @@ mod tests {
         let mut y = [0f32; 64];
         nvfp4_ggml(&block, &mut y);
         assert_eq!((y[32], y[40], y[0]), (1.5, 9.0, 0.0));
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        s.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn rocmfp4_blocks_decode_by_hand() {
+        // Type 101: scale 0x38 = 2^-1; byte j holds code j (low) and 15 - j (high).
+        let fast = hex("f0 e1 d2 c3 b4 a5 96 87 78 69 5a 4b 3c 2d 1e 0f 38");
+        let mut y = [f32::NAN; 32];
+        rocmfp4(&fast, &mut y);
+        let low = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -5.0];
+        assert_eq!(y[..16], low);
+        assert_eq!(y[16..].iter().rev().copied().collect::<Vec<_>>(), low);
+        // Type 100: scales 0x40 = 1.0 (low nibbles) and 0x05 = 5 · 2^-10 (subnormal, high nibbles).
+        let dual = hex("01 23 45 67 89 ab cd ef 10 32 54 76 98 ba dc fe 40 05");
+        rocmfp4(&dual, &mut y);
+        assert_eq!(y[..16], [1.0, 3.0, 6.0, 10.0, -1.0, -3.0, -6.0, -10.0, 0.0, 2.0, 4.0, 8.0, 0.0, -2.0, -4.0, -8.0]);
+        let s1 = 5.0 * 2f32.powi(-10);
+        assert_eq!(y[16..20], [0.0, 2.0 * s1, 4.0 * s1, 8.0 * s1]);
+        assert_eq!((y[24], y[31]), (s1, -10.0 * s1));
+        // The largest valid scale, 0x7E = 2^7 · 1.75 = 224; past it, 0.
+        assert_eq!((rocmfp4_scale(0x7E), rocmfp4_scale(0x7F), rocmfp4_scale(0xFF), rocmfp4_scale(0)), (224.0, 0.0, 0.0, 0.0));
     }
 }

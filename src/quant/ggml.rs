@@ -1,6 +1,6 @@
 //! GGML block formats (the weights of GGUF files): Q8_0, Q4_0, Q4_1, IQ4_NL (blocks of 32), the
-//! k-quants Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks of 256), and the FP4 formats MXFP4 and NVFP4
-//! (`super::fp4`). A matrix keeps its raw blocks, row-major, each row a whole
+//! k-quants Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks of 256), and the FP4 formats MXFP4, NVFP4 and
+//! ROCmFP4 (`super::fp4`). A matrix keeps its raw blocks, row-major, each row a whole
 //! number of blocks; `dequant_row` is the CPU reference and follows ggml's `dequantize_row_*` step for
 //! step (same products in the same order, all in f32), so it matches ggml's own output.
 
@@ -21,13 +21,17 @@ pub enum GgmlFormat {
     IQ4_XS,
     MXFP4,
     NVFP4,
+    /// ROCmFP4 with two scales a block (GGUF type 100, the ROCmFPX fork's `q4_0_rocmfp4`).
+    ROCMFP4,
+    /// ROCmFP4 with one scale a block (type 101, `q4_0_rocmfp4_fast`).
+    ROCMFP4_FAST,
 }
 
 /// Elements per k-quant super-block (ggml's QK_K).
 const QK_K: usize = 256;
 
 impl GgmlFormat {
-    pub const ALL: [GgmlFormat; 10] = [
+    pub const ALL: [GgmlFormat; 12] = [
         GgmlFormat::Q8_0,
         GgmlFormat::Q4_0,
         GgmlFormat::Q4_1,
@@ -38,12 +42,15 @@ impl GgmlFormat {
         GgmlFormat::IQ4_XS,
         GgmlFormat::MXFP4,
         GgmlFormat::NVFP4,
+        GgmlFormat::ROCMFP4,
+        GgmlFormat::ROCMFP4_FAST,
     ];
 
     /// Elements per block.
     pub fn block_size(self) -> usize {
         match self {
             GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q4_1 | GgmlFormat::IQ4_NL | GgmlFormat::MXFP4 => 32,
+            GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => 32,
             GgmlFormat::NVFP4 => 64,
             GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K | GgmlFormat::IQ4_XS => QK_K,
         }
@@ -62,6 +69,8 @@ impl GgmlFormat {
             GgmlFormat::IQ4_XS => 136,
             GgmlFormat::MXFP4 => 17,
             GgmlFormat::NVFP4 => 36,
+            GgmlFormat::ROCMFP4 => 18,
+            GgmlFormat::ROCMFP4_FAST => 17,
         }
     }
 
@@ -78,6 +87,8 @@ impl GgmlFormat {
             GgmlFormat::IQ4_XS => 23,
             GgmlFormat::MXFP4 => 39,
             GgmlFormat::NVFP4 => 40,
+            GgmlFormat::ROCMFP4 => 100,
+            GgmlFormat::ROCMFP4_FAST => 101,
         }
     }
 
@@ -97,6 +108,8 @@ impl GgmlFormat {
             GgmlFormat::IQ4_XS => DType::IQ4_XS,
             GgmlFormat::MXFP4 => DType::MXFP4,
             GgmlFormat::NVFP4 => DType::NVFP4,
+            GgmlFormat::ROCMFP4 => DType::ROCMFP4,
+            GgmlFormat::ROCMFP4_FAST => DType::ROCMFP4_FAST,
         }
     }
 
@@ -138,6 +151,7 @@ impl GgmlFormat {
                 GgmlFormat::IQ4_XS => iq4_xs(b, y),
                 GgmlFormat::MXFP4 => fp4::mxfp4(b, y),
                 GgmlFormat::NVFP4 => fp4::nvfp4_ggml(b, y),
+                GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => fp4::rocmfp4(b, y),
             }
         }
     }
@@ -396,15 +410,25 @@ mod tests {
         }
     }
 
-    /// Random blocks with finite, moderate f16 scales at the format's scale positions.
+    /// Random blocks with finite, moderate scales at the format's scale positions (f16; MXFP4's
+    /// power of two and NVFP4's E4M3 bytes kept near 1).
     fn random_blocks(format: GgmlFormat, n: usize, rng: &mut Rng) -> Vec<u8> {
         let mut out = Vec::with_capacity(n * format.block_bytes());
         for _ in 0..n {
             let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| rng.byte()).collect();
             let scale_at: &[usize] = match format {
-                GgmlFormat::Q8_0 | GgmlFormat::Q4_0 => &[0],
+                GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => &[0],
                 GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
                 GgmlFormat::Q6_K => &[208],
+                GgmlFormat::MXFP4 => {
+                    b[0] = 120 + rng.byte() % 8;
+                    &[]
+                }
+                GgmlFormat::NVFP4 => {
+                    b[..4].iter_mut().for_each(|s| *s = 0x28 + rng.byte() % 0x18);
+                    &[]
+                }
+                GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => &[],
             };
             for &at in scale_at {
                 let v = half::f16::from_f32(rng.unit() * 0.05).to_le_bytes();

@@ -33,6 +33,10 @@ pub enum DType {
     MXFP4,
     /// FP4 (E2M1) in blocks of 16 with an FP8 (E4M3) scale each (GGUF's four-block layout).
     NVFP4,
+    /// ROCmFP4 (GGUF type 100): blocks of 32, a scale for each half.
+    ROCMFP4,
+    /// ROCmFP4 (GGUF type 101): blocks of 32, one scale.
+    ROCMFP4_FAST,
 }
 
 impl DType {
@@ -52,6 +56,8 @@ impl DType {
             DType::IQ4_XS => "iq4_xs",
             DType::MXFP4 => "mxfp4",
             DType::NVFP4 => "nvfp4",
+            DType::ROCMFP4 => "q4_0_rocmfp4",
+            DType::ROCMFP4_FAST => "q4_0_rocmfp4_fast",
         }
     }
 }

