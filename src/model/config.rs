@@ -189,14 +189,7 @@ impl ModelConfig {
             return Err(Error::Unsupported(format!("hidden_act {act:?} (only silu)")));
         }
         if let Some(q) = json.get("quantization_config").filter(|q| !q.is_null()) {
-            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
-            let block = q.get("weight_block_size").and_then(Value::as_array);
-            let block_ok = block.is_none_or(|b| b.iter().all(|v| v.as_u64() == Some(128)));
-            if method != "fp8" || !block_ok {
-                return Err(Error::Unsupported(format!(
-                    "quantization_config {q} (supported: quant_method fp8 with 128x128 weight blocks)"
-                )));
-            }
+            check_quantization(q)?;
         }
         if json.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
             return Err(Error::Unsupported("use_sliding_window = true".into()));
@@ -486,6 +479,33 @@ pub fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>> {
     }
 }
 
+/// The quantization schemes Atlas reads: FP8 with 128×128 blocks (`quant_method: fp8`), and
+/// NVFP4 from NVIDIA ModelOpt (`quant_method: modelopt`, `quant_algo: NVFP4`) or
+/// compressed-tensors (`nvfp4-pack-quantized`: 4-bit floats in groups of 16). Which tensors are
+/// quantized is read from the checkpoint's tensors, not from ignore lists.
+fn check_quantization(q: &Value) -> Result<()> {
+    let text = |key: &str| q.get(key).and_then(Value::as_str).unwrap_or("").to_ascii_lowercase();
+    let supported = match text("quant_method").as_str() {
+        "fp8" => q.get("weight_block_size").and_then(Value::as_array).is_none_or(|b| b.iter().all(|v| v.as_u64() == Some(128))),
+        m if m.starts_with("modelopt") => text("quant_algo") == "nvfp4",
+        "compressed-tensors" => {
+            let nvfp4_group = |g: &Value| {
+                let w = &g["weights"];
+                w["num_bits"].as_u64() == Some(4) && w["type"].as_str() == Some("float") && w["group_size"].as_u64() == Some(16)
+            };
+            let groups = q.get("config_groups").and_then(Value::as_object);
+            text("format") == "nvfp4-pack-quantized" || groups.is_some_and(|g| !g.is_empty() && g.values().all(nvfp4_group))
+        }
+        _ => false,
+    };
+    if !supported {
+        return Err(Error::Unsupported(format!(
+            "quantization_config {q} (supported: quant_method fp8 with 128x128 weight blocks; NVFP4 from modelopt or compressed-tensors nvfp4-pack-quantized)"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,10 +536,19 @@ mod tests {
     }
 
     #[test]
-    fn fp8_block_quantization_is_accepted_others_are_refused() {
+    fn fp8_blocks_and_nvfp4_are_accepted_other_quantizations_refused() {
         let mut j = qwen3();
         j["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [128, 128]});
         assert!(ModelConfig::from_json(&j).is_ok());
+        j["quantization_config"] = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]});
+        assert!(ModelConfig::from_json(&j).is_ok());
+        j["quantization_config"] = json!({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"});
+        assert!(ModelConfig::from_json(&j).is_ok());
+        let group = json!({"weights": {"num_bits": 4, "type": "float", "group_size": 16}, "targets": ["Linear"]});
+        j["quantization_config"] = json!({"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {"group_0": group}});
+        assert!(ModelConfig::from_json(&j).is_ok());
+        j["quantization_config"] = json!({"quant_method": "modelopt", "quant_algo": "FP8"});
+        assert!(ModelConfig::from_json(&j).is_err());
         j["quantization_config"] = json!({"quant_method": "gptq", "bits": 4});
         assert!(matches!(ModelConfig::from_json(&j), Err(Error::Unsupported(m)) if m.contains("gptq")));
         j["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [64, 64]});

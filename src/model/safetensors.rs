@@ -10,6 +10,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use super::weights::WeightSource;
+use crate::quant::fp4::Nvfp4Matrix;
 use crate::quant::fp8::{Fp8BlockMatrix, FP8_BLOCK};
 use crate::quant::{DType, DenseMatrix, QuantMatrix};
 use crate::{Error, Result};
@@ -153,8 +154,59 @@ impl SafetensorsStore {
     }
 }
 
+impl SafetensorsStore {
+    /// An NVFP4 weight from either producer, recognised by its tensors: NVIDIA ModelOpt's U8
+    /// `<base>.weight` beside `weight_scale` (E4M3, one per 16 values) and `weight_scale_2` (f32),
+    /// or compressed-tensors' `<base>.weight_packed` beside `weight_scale` and
+    /// `weight_global_scale` (f32, a divisor). None when `name` is not such a weight: which layers
+    /// a checkpoint keeps in high precision is read from what it holds.
+    fn nvfp4_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Box<dyn QuantMatrix>>> {
+        let Some(base) = name.strip_suffix(".weight") else { return Ok(None) };
+        let modelopt = self.tensors.get(name).is_some_and(|e| e.dtype == Dtype::U8) && self.contains(&format!("{base}.weight_scale_2"));
+        let packed = format!("{base}.weight_packed");
+        let (codes_name, factor) = if modelopt {
+            (name.to_string(), self.scalar(&format!("{base}.weight_scale_2"))?)
+        } else if !self.contains(name) && self.contains(&packed) {
+            let global_name = format!("{base}.weight_global_scale");
+            let global = self.scalar(&global_name)?;
+            if !(global.is_finite() && global > 0.0) {
+                return Err(Error::bad_tensor(&global_name, format!("{global} is not a positive scale")));
+            }
+            (packed, 1.0 / global)
+        } else {
+            return Ok(None);
+        };
+        if cols % 16 != 0 {
+            return Err(Error::bad_tensor(name, format!("NVFP4 rows of {cols} values are not whole groups of 16")));
+        }
+        let bytes_of = |tensor: &str, dtype: Dtype, shape: [usize; 2]| -> Result<Vec<u8>> {
+            let e = self.entry(tensor)?;
+            if e.dtype != dtype || e.shape != shape {
+                return Err(Error::bad_tensor(tensor, format!("{:?} {:?}, expected {dtype:?} {shape:?} for NVFP4", e.dtype, e.shape)));
+            }
+            Ok(self.bytes(e).to_vec())
+        };
+        let codes = bytes_of(&codes_name, Dtype::U8, [rows, cols / 2])?;
+        let scales = bytes_of(&format!("{base}.weight_scale"), Dtype::F8_E4M3, [rows, cols / 16])?;
+        let m = Nvfp4Matrix::new(rows, cols, codes, scales, factor).map_err(|e| Error::bad_tensor(name, e))?;
+        Ok(Some(Box::new(m)))
+    }
+
+    /// A one-element tensor (shape [] or [1]) as f32.
+    fn scalar(&self, name: &str) -> Result<f32> {
+        let shape = self.entry(name)?.shape.clone();
+        if shape.iter().product::<usize>() != 1 {
+            return Err(Error::bad_tensor(name, format!("shape {shape:?}, expected one value")));
+        }
+        Ok(self.array(name, &shape)?[0])
+    }
+}
+
 impl WeightSource for SafetensorsStore {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
+        if let Some(m) = self.nvfp4_matrix(name, rows, cols)? {
+            return Ok(m);
+        }
         if self.entry(name)?.dtype == Dtype::F8_E4M3 {
             return self.fp8_matrix(name, rows, cols);
         }
@@ -225,4 +277,59 @@ fn shard_files(index: &Path) -> Result<Vec<String>> {
         }
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    /// Writes `tensors` (name, dtype, shape, bytes) as one safetensors file in a fresh directory.
+    fn checkpoint(tag: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("atlas-nvfp4-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let views: Vec<(String, TensorView)> =
+            tensors.iter().map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn nvfp4_weights_of_both_producers_are_read_from_their_tensors() {
+        // Two rows of 32: codes 0x7A in every byte (elements -1, 6), scales 1.5 (0x3C) and 2 (0x40).
+        let (codes, scales) = (vec![0x7Au8; 32], vec![0x3C, 0x40, 0x3C, 0x40]);
+        let f32_bytes = |v: f32| v.to_le_bytes().to_vec();
+        let modelopt = checkpoint(
+            "modelopt",
+            &[
+                ("l.weight", Dtype::U8, vec![2, 16], codes.clone()),
+                ("l.weight_scale", Dtype::F8_E4M3, vec![2, 2], scales.clone()),
+                ("l.weight_scale_2", Dtype::F32, vec![], f32_bytes(0.25)),
+                ("l.input_scale", Dtype::F32, vec![], f32_bytes(1.0)),
+                ("norm.weight", Dtype::F32, vec![2], [f32_bytes(1.0), f32_bytes(2.0)].concat()),
+            ],
+        );
+        let compressed = checkpoint(
+            "compressed",
+            &[
+                ("l.weight_packed", Dtype::U8, vec![2, 16], codes),
+                ("l.weight_scale", Dtype::F8_E4M3, vec![2, 2], scales),
+                ("l.weight_global_scale", Dtype::F32, vec![1], f32_bytes(4.0)),
+            ],
+        );
+        for dir in [&modelopt, &compressed] {
+            let store = SafetensorsStore::open_dir(dir).unwrap();
+            let m = store.matrix("l.weight", 2, 32).unwrap();
+            assert_eq!(m.dtype(), DType::NVFP4);
+            let mut row = [0f32; 32];
+            m.dequant_row(1, &mut row);
+            // Row 1, group 0 at 1.5 · 0.25, group 1 at 2 · 0.25.
+            assert_eq!((row[0], row[1], row[16], row[17]), (-0.375, 2.25, -0.5, 3.0), "{}", dir.display());
+            assert!(store.matrix("l.weight", 2, 48).is_err(), "a shape the tensors do not have");
+        }
+        assert_eq!(SafetensorsStore::open_dir(&modelopt).unwrap().vector("norm.weight", 2).unwrap(), [1.0, 2.0]);
+        for dir in [modelopt, compressed] {
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+    }
 }

@@ -5,6 +5,9 @@
 //! CPU references; E2M1 codes are kept as doubled integers (-12..12) so a block is integers times
 //! one float.
 
+use super::fp8::e4m3_to_f32;
+use super::{DType, QuantMatrix};
+
 /// E2M1 code → value × 2 (bit 3 is the sign).
 const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
@@ -43,6 +46,69 @@ pub(super) fn nvfp4_ggml(b: &[u8], y: &mut [f32]) {
         for (j, &q) in qs.iter().enumerate() {
             lo[j] = d * E2M1_DOUBLED[(q & 0x0F) as usize] as f32;
             hi[j] = d * E2M1_DOUBLED[(q >> 4) as usize] as f32;
+        }
+    }
+}
+
+/// A `[rows, cols]` NVFP4 weight as safetensors checkpoints hold it (NVIDIA ModelOpt, and
+/// compressed-tensors' `nvfp4-pack-quantized`): E2M1 codes two per byte along a row (element 2j in
+/// the low nibble of byte j), one FP8 E4M3 scale per 16 elements of a row (`[rows, cols / 16]`,
+/// row-major), and one f32 factor for the whole tensor (ModelOpt's `weight_scale_2`; the inverse
+/// of compressed-tensors' `weight_global_scale`). y = e2m1(code) · e4m3(scale) · factor.
+pub struct Nvfp4Matrix {
+    rows: usize,
+    cols: usize,
+    codes: Vec<u8>,
+    scales: Vec<u8>,
+    factor: f32,
+}
+
+impl std::fmt::Debug for Nvfp4Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Nvfp4Matrix [{}, {}] × {}", self.rows, self.cols, self.factor)
+    }
+}
+
+impl Nvfp4Matrix {
+    /// `codes`: `rows * cols / 2` bytes; `scales`: `rows * cols / 16` E4M3 bytes.
+    pub fn new(rows: usize, cols: usize, codes: Vec<u8>, scales: Vec<u8>, factor: f32) -> Result<Self, String> {
+        if cols % 16 != 0 {
+            return Err(format!("NVFP4 rows of {cols} values are not whole groups of 16"));
+        }
+        let want = (rows.checked_mul(cols / 2), rows.checked_mul(cols / 16));
+        if want != (Some(codes.len()), Some(scales.len())) {
+            return Err(format!("NVFP4 [{rows}, {cols}] needs {:?} code and scale bytes, got {} and {}", want, codes.len(), scales.len()));
+        }
+        if !factor.is_finite() {
+            return Err(format!("NVFP4 tensor scale {factor} is not finite"));
+        }
+        Ok(Nvfp4Matrix { rows, cols, codes, scales, factor })
+    }
+}
+
+impl QuantMatrix for Nvfp4Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn dtype(&self) -> DType {
+        DType::NVFP4
+    }
+    fn storage_bytes(&self) -> usize {
+        self.codes.len() + self.scales.len() + 4
+    }
+    fn dequant_row(&self, row: usize, out: &mut [f32]) {
+        let codes = &self.codes[row * self.cols / 2..(row + 1) * self.cols / 2];
+        let scales = &self.scales[row * self.cols / 16..(row + 1) * self.cols / 16];
+        for ((group, bytes), &scale) in out.chunks_exact_mut(16).zip(codes.chunks_exact(8)).zip(scales) {
+            // Halved: the codes are doubled.
+            let d = e4m3_to_f32(scale) * self.factor * 0.5;
+            for (pair, &q) in group.chunks_exact_mut(2).zip(bytes) {
+                pair[0] = d * E2M1_DOUBLED[(q & 0x0F) as usize] as f32;
+                pair[1] = d * E2M1_DOUBLED[(q >> 4) as usize] as f32;
+            }
         }
     }
 }
@@ -105,6 +171,28 @@ mod tests {
 
     fn hex(s: &str) -> Vec<u8> {
         s.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn nvfp4_safetensors_rows_decode_by_hand() {
+        // ModelOpt: byte 0x7A = element 0 code 0xA (-1), element 1 code 0x7 (6); scale 0x3C (1.5);
+        // weight_scale_2 0.0025 → -0.00375 and 0.0225.
+        let mut codes = vec![0u8; 16];
+        codes[0] = 0x7A;
+        codes[8] = 0x2F; // row 1: element 0 code 0xF (-6), element 1 code 0x2 (1), scale 0x40 (2)
+        let m = Nvfp4Matrix::new(2, 16, codes, vec![0x3C, 0x40], 0.0025).unwrap();
+        let mut row = [f32::NAN; 16];
+        m.dequant_row(0, &mut row);
+        assert!((row[0] + 0.00375).abs() < 1e-7 && (row[1] - 0.0225).abs() < 1e-7, "{row:?}");
+        assert!(row[2..].iter().all(|&v| v == 0.0));
+        m.dequant_row(1, &mut row);
+        assert!((row[0] + 0.03).abs() < 1e-7 && (row[1] - 0.005).abs() < 1e-7, "{row:?}");
+        // compressed-tensors: 0xC3 at scale 0x52 (10) over a global scale of 5376 (a divisor).
+        let m = Nvfp4Matrix::new(1, 16, [0xC3].into_iter().chain([0; 7]).collect(), vec![0x52], 1.0 / 5376.0).unwrap();
+        m.dequant_row(0, &mut row);
+        assert!((row[0] - 15.0 / 5376.0).abs() < 1e-8 && (row[1] + 20.0 / 5376.0).abs() < 1e-8, "{row:?}");
+        assert!(Nvfp4Matrix::new(1, 24, vec![0; 12], vec![0; 1], 1.0).is_err(), "cols not a multiple of 16");
+        assert!(Nvfp4Matrix::new(1, 16, vec![0; 7], vec![0; 1], 1.0).is_err(), "too few codes");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `atlas perplexity` and `atlas kld`: what a weight format costs in quality, measured on a text
 //! (see atlas::eval), printed as llama.cpp's perplexity tool prints it, or as JSON.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use atlas::eval::{self, Divergence, Perplexity};
 use atlas::{Engine, EngineOptions, Error, Result};
@@ -68,8 +68,8 @@ pub fn perplexity(load: &LoadArgs, text: &TextArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn kld(load: &LoadArgs, base: &PathBuf, text: &TextArgs) -> Result<()> {
-    let mut base_engine = text.load(load, Some(base.clone()))?;
+pub fn kld(load: &LoadArgs, base: &Path, text: &TextArgs) -> Result<()> {
+    let mut base_engine = text.load(load, Some(base.to_path_buf()))?;
     let mut engine = text.load(load, None)?;
     let (tokens, chunks) = text.tokens(&base_engine)?;
     if engine.tokenizer()?.encode("The quick brown fox, 123.")? != base_engine.tokenizer()?.encode("The quick brown fox, 123.")? {
