@@ -101,6 +101,16 @@ def seeds_safetensors():
         ("lm_head.weight", "I32", [2, 2], rand_bytes(16, 8)),
     ]
     put("safetensors", "dtypes.safetensors", safetensors_file(tensors, {"format": "pt"}))
+    # NVFP4 weights as both producers write them: codes two per byte, E4M3 scales per 16 values.
+    for producer, codes, tensor_scale in [("modelopt", "weight", ("weight_scale_2", [])), ("compressed", "weight_packed", ("weight_global_scale", [1]))]:
+        base = "model.layers.0.mlp.up_proj"
+        tensors = [
+            (f"{base}.{codes}", "U8", [4, 16], rand_bytes(64, 9)),
+            (f"{base}.weight_scale", "F8_E4M3", [4, 2], bytes([0x38, 0x3C, 0x40, 0x30, 0x28, 0x44, 0x38, 0x38])),
+            (f"{base}.{tensor_scale[0]}", "F32", tensor_scale[1], struct.pack("<f", 0.25 if producer == "modelopt" else 4.0)),
+            (f"{base}.input_scale", "F32", [], struct.pack("<f", 1.0)),
+        ]
+        put("safetensors", f"nvfp4_{producer}.safetensors", safetensors_file(tensors))
     put("safetensors", "empty.safetensors", safetensors_file([]))
 
 
@@ -269,7 +279,8 @@ def seeds_detokenizer():
 # ----------------------------------------------------------------------------------------------
 # GGUF
 
-GGML_BLOCK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
+GGML_BLOCK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2),
+              20: (32, 18), 23: (256, 136), 39: (32, 17), 40: (64, 36), 100: (32, 18), 101: (32, 17)}
 
 
 class Reader:

@@ -1,6 +1,7 @@
 //! A safetensors checkpoint file (the 8-byte header length, the JSON header, the data), opened as
 //! Atlas opens a model's shards (`SafetensorsStore::open_files`, memory-mapped), then every tensor
-//! read through the `WeightSource` method its rank calls for (FP8 block-scaled weights included).
+//! read through the `WeightSource` method its rank calls for (FP8 block-scaled and NVFP4 weights
+//! included).
 #![no_main]
 
 #[path = "common/mod.rs"]
@@ -25,5 +26,10 @@ fuzz_target!(|data: &[u8]| {
             None => name.clone(),
         };
         common::read_tensor(&store, &name, &shape);
+        // NVFP4 codes hold two values a byte: read them as the weight of twice the width.
+        let nvfp4_weight = name.strip_suffix(".weight_packed").map(|b| format!("{b}.weight")).or_else(|| name.ends_with(".weight").then(|| name.clone()));
+        if let (Some(weight), [rows, cols]) = (nvfp4_weight, shape.as_slice()) {
+            common::read_tensor(&store, &weight, &[*rows, cols.saturating_mul(2)]);
+        }
     }
 });
