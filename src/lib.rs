@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod grammar;
 pub mod ffi;
 pub mod model;
+pub mod quantize;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;

@@ -836,7 +836,8 @@ impl GgufStore {
 }
 
 /// The element type of an unquantised ggml type.
-fn dense_dtype(ty: GgmlType) -> Option<DType> {
+/// The dense element type of a ggml type (F32, F16, BF16), None for block formats.
+pub fn dense_dtype(ty: GgmlType) -> Option<DType> {
     match ty {
         GgmlType::F32 => Some(DType::F32),
         GgmlType::F16 => Some(DType::F16),

@@ -142,6 +142,65 @@ pub(super) fn rocmfp4(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The nearest Codebook10 index (0..8) for |x| / s = `a` (ties to the smaller magnitude, as the
+/// fork rounds).
+fn rocmfp4_level(a: f32) -> usize {
+    const UPPER: [f32; 7] = [0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 9.0];
+    UPPER.iter().position(|&u| a <= u).unwrap_or(7)
+}
+
+/// Codes for `x` at scale byte `e` (code 0 for non-finite values and for scale 0).
+fn rocmfp4_codes(x: &[f32], e: u8, codes: &mut [u8]) {
+    let s = rocmfp4_scale(e);
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+    for (c, &v) in codes.iter_mut().zip(x) {
+        let level = if v.is_finite() { rocmfp4_level((v * inv).abs()) } else { 0 };
+        *c = if level != 0 && v < 0.0 { level as u8 | 8 } else { level as u8 };
+    }
+}
+
+/// The scale byte of one group: the one of 1..=126 with the least squared error (ties to the
+/// smaller byte), 0 for a group with no finite non-zero largest value or with a NaN (the
+/// fork's results, byte for byte).
+fn rocmfp4_group_scale(x: &[f32]) -> u8 {
+    let max_abs = x.iter().fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
+    if !(max_abs > 0.0 && max_abs.is_finite()) {
+        return 0;
+    }
+    let mut codes = vec![0u8; x.len()];
+    let mut best = (f32::INFINITY, 0u8);
+    for e in 1..=0x7Eu8 {
+        rocmfp4_codes(x, e, &mut codes);
+        let s = rocmfp4_scale(e);
+        let err = x.iter().zip(&codes).fold(0f32, |acc, (&v, &c)| {
+            let d = v - CODEBOOK10[c as usize] as f32 * s;
+            acc + d * d
+        });
+        if err < best.0 {
+            best = (err, e);
+        }
+    }
+    best.1
+}
+
+/// Quantises 32 values into one ROCmFP4 block: 18 bytes with a scale per half (`dual`, type
+/// 100) or 17 with one scale (type 101).
+pub fn rocmfp4_quantize(x: &[f32], dual: bool, out: &mut Vec<u8>) {
+    let mut codes = [0u8; 32];
+    let scales: Vec<u8> = if dual {
+        let (e0, e1) = (rocmfp4_group_scale(&x[..16]), rocmfp4_group_scale(&x[16..32]));
+        rocmfp4_codes(&x[..16], e0, &mut codes[..16]);
+        rocmfp4_codes(&x[16..32], e1, &mut codes[16..]);
+        vec![e0, e1]
+    } else {
+        let e = rocmfp4_group_scale(&x[..32]);
+        rocmfp4_codes(&x[..32], e, &mut codes);
+        vec![e]
+    };
+    out.extend((0..16).map(|j| codes[j] | (codes[j + 16] << 4)));
+    out.extend(scales);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +270,26 @@ mod tests {
         let s1 = 5.0 * 2f32.powi(-10);
         assert_eq!(y[16..20], [0.0, 2.0 * s1, 4.0 * s1, 8.0 * s1]);
         assert_eq!((y[24], y[31]), (s1, -10.0 * s1));
+        // Quantising: the fork's own outputs for these inputs (its C code, run by hand).
+        let mut one = [0f32; 32];
+        one[0] = 1.0;
+        let mut out = Vec::new();
+        rocmfp4_quantize(&one, true, &mut out);
+        assert_eq!(out, [[6u8].as_slice(), &[0; 15], &[0x28, 0]].concat());
+        out.clear();
+        rocmfp4_quantize(&one, false, &mut out);
+        assert_eq!(out, [[6u8].as_slice(), &[0; 15], &[0x28]].concat());
+        one[0] = 1e6;
+        out.clear();
+        rocmfp4_quantize(&one, true, &mut out);
+        assert_eq!((out[0], out[16], out[17]), (7, 0x7E, 0));
+        // A round trip of a block decodes within half a step of its scale.
+        let x: Vec<f32> = (0..32).map(|i| ((i * 7919 % 61) as f32 - 30.0) * 0.013).collect();
+        out.clear();
+        rocmfp4_quantize(&x, true, &mut out);
+        rocmfp4(&out, &mut y);
+        let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 0.5 * 2.0 * rocmfp4_scale(out[16]).max(rocmfp4_scale(out[17])) + 1e-6, "{worst}");
         // The largest valid scale, 0x7E = 2^7 · 1.75 = 224; past it, 0.
         assert_eq!((rocmfp4_scale(0x7E), rocmfp4_scale(0x7F), rocmfp4_scale(0xFF), rocmfp4_scale(0)), (224.0, 0.0, 0.0, 0.0));
     }

@@ -157,6 +157,50 @@ impl GgmlFormat {
     }
 }
 
+impl GgmlFormat {
+    /// The formats `quantize_row` can write.
+    pub const WRITABLE: [GgmlFormat; 4] = [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::ROCMFP4, GgmlFormat::ROCMFP4_FAST];
+
+    /// Encodes a row of `x.len()` values (a whole number of blocks) as this format's blocks;
+    /// None for a format Atlas only reads. Q8_0 and Q4_0 round as ggml's reference quantisers
+    /// do; ROCmFP4 chooses its scales as the ROCmFPX fork does (fp4::rocmfp4_quantize).
+    pub fn quantize_row(self, x: &[f32]) -> Option<Vec<u8>> {
+        let bs = self.block_size();
+        if x.len() % bs != 0 || !GgmlFormat::WRITABLE.contains(&self) {
+            return None;
+        }
+        let mut out = Vec::with_capacity(x.len() / bs * self.block_bytes());
+        for block in x.chunks_exact(bs) {
+            match self {
+                GgmlFormat::Q8_0 => quantize_q8_0(block, &mut out),
+                GgmlFormat::Q4_0 => quantize_q4_0(block, &mut out),
+                GgmlFormat::ROCMFP4 => fp4::rocmfp4_quantize(block, true, &mut out),
+                _ => fp4::rocmfp4_quantize(block, false, &mut out),
+            }
+        }
+        Some(out)
+    }
+}
+
+/// Q8_0: d = max|x| / 127, q = round(x / d) (multiplying by 1/d, as ggml).
+fn quantize_q8_0(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(half::f16::from_f32(d).to_le_bytes());
+    out.extend(x.iter().map(|&v| (v * id).round() as i8 as u8));
+}
+
+/// Q4_0: the value of largest magnitude maps to -8: d = max / -8, q = min(15, trunc(x / d + 8.5)).
+fn quantize_q4_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = x.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
+    out.extend(half::f16::from_f32(d).to_le_bytes());
+    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
 impl std::fmt::Display for GgmlFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -437,6 +481,41 @@ mod tests {
             out.extend_from_slice(&b);
         }
         out
+    }
+
+    #[test]
+    fn written_blocks_decode_back_close_to_their_values() {
+        let mut rng = Rng(11);
+        for format in GgmlFormat::WRITABLE {
+            let x: Vec<f32> = (0..4 * format.block_size()).map(|_| rng.unit() * 0.1).collect();
+            let blocks = format.quantize_row(&x).unwrap();
+            assert_eq!(blocks.len(), 4 * format.block_bytes(), "{format}");
+            let mut y = vec![0f32; x.len()];
+            format.dequant_blocks(&blocks, &mut y);
+            // Worst error relative to the block's largest value: half a step of 127, 8, and the
+            // coarsest step of ROCmFP4's codebook (2 of 10).
+            let bound = match format {
+                GgmlFormat::Q8_0 => 0.5 / 127.0,
+                GgmlFormat::Q4_0 => 1.0 / 8.0,
+                _ => 0.15,
+            };
+            for (bx, by) in x.chunks(format.block_size()).zip(y.chunks(format.block_size())) {
+                let amax = bx.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let worst = bx.iter().zip(by).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst <= bound * amax * 1.01, "{format}: {worst} of {amax}");
+            }
+        }
+        assert_eq!(GgmlFormat::Q4_K.quantize_row(&[0.0; 256]), None);
+        assert_eq!(GgmlFormat::Q8_0.quantize_row(&[0.0; 31]), None);
+        // A known block: max|x| = 127, so d = 1 and q = round(x) (halves away from zero).
+        let mut x = [0f32; 32];
+        x[..4].copy_from_slice(&[127.0, -127.0, 3.4, -2.5]);
+        let b = GgmlFormat::Q8_0.quantize_row(&x).unwrap();
+        assert_eq!((f16_at(&b, 0), &b[2..6]), (1.0, [127u8, 129, 3, 253].as_slice()));
+        // Q4_0: the largest magnitude (-8) maps to code 0 at d = 1; 7 to 15.
+        x[..4].copy_from_slice(&[-8.0, 7.0, 0.4, 0.6]);
+        let b = GgmlFormat::Q4_0.quantize_row(&x).unwrap();
+        assert_eq!((f16_at(&b, 0), b[2] & 0x0F, b[3] & 0x0F, b[4] & 0x0F, b[5] & 0x0F), (1.0, 0, 15, 8, 9));
     }
 
     #[test]

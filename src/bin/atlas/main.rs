@@ -1,4 +1,4 @@
-//! The `atlas` command line: run, chat, info, logits, generate, bench, perplexity, kld, setup, serve.
+//! The `atlas` command line: run, chat, info, logits, generate, bench, quantize, perplexity, kld, setup, serve.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -14,6 +14,7 @@ use serde_json::{json, Map, Value};
 mod bench;
 mod info;
 mod quality;
+mod quantize;
 mod serve;
 mod setup;
 
@@ -70,6 +71,12 @@ enum Command {
     },
     /// Measure prefill and decode speed, printed as a llama-bench-like table.
     Bench(bench::BenchArgs),
+    /// Re-encode a GGUF file's float weights in a block format (Q8_0, Q4_0, ROCmFP4), the metadata
+    /// and tokenizer copied. Routers, convolutions and vectors stay as they are. The same input
+    /// gives the same bytes.
+    ///
+    /// Example: atlas quantize -m Qwen3-0.6B-BF16.gguf --to Q4_0_ROCMFP4 -o Qwen3-0.6B-ROCMFP4.gguf
+    Quantize(quantize::QuantizeArgs),
     /// Perplexity of a text, as llama.cpp's perplexity tool measures it: the text is cut into
     /// chunks of --ctx tokens, each runs from an empty cache, and the second half of each chunk is
     /// scored. Prints the running value per chunk ([i]ppl) and the final estimate with its error.
@@ -376,6 +383,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Quantize(args) => quantize::run(&args),
         Command::Perplexity { load, text } => quality::perplexity(&load, &text),
         Command::Kld { load, base, text } => quality::kld(&load, &base, &text),
         Command::Setup { force } => setup::run(force),

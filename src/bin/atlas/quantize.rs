@@ -1,0 +1,57 @@
+//! `atlas quantize`: see atlas::quantize.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use atlas::quantize::{parse_target, quantize_gguf};
+use atlas::{Error, Result};
+use clap::Args;
+
+#[derive(Args, Clone)]
+pub struct QuantizeArgs {
+    /// A GGUF file with float (F32, F16 or BF16) weights, e.g. llama.cpp's convert_hf_to_gguf.py output.
+    #[arg(short, long)]
+    model: PathBuf,
+    /// The block format: Q8_0, Q4_0, Q4_0_ROCMFP4 (ROCmFP4, a scale per 16 weights) or
+    /// Q4_0_ROCMFP4_FAST (one scale per 32).
+    #[arg(long)]
+    to: String,
+    /// The GGUF file to write.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Print every tensor (name, shape, from → to, sizes), not only the totals.
+    #[arg(short, long)]
+    verbose: bool,
+}
+
+pub fn run(args: &QuantizeArgs) -> Result<()> {
+    let to = parse_target(&args.to)?;
+    if args.output.canonicalize().ok() == Some(args.model.canonicalize().map_err(|e| Error::io(&args.model, e))?) {
+        return Err(Error::InvalidArgument("the output would overwrite the input".into()));
+    }
+    let tty = std::io::stderr().is_terminal();
+    let started = std::time::Instant::now();
+    let lines = quantize_gguf(&args.model, &args.output, to, &mut |done, total, line| {
+        if args.verbose {
+            let to = line.to.as_deref().unwrap_or("(kept)");
+            eprintln!("[{done:4}/{total}] {:40} {:>20} {:>6} -> {:8} {:>10} -> {:>10} bytes", line.name, format!("{:?}", line.dims), line.from, to, line.bytes_before, line.bytes_after);
+        } else if tty {
+            eprint!("\rquantizing: {done}/{total} tensors");
+        }
+    })?;
+    if tty && !args.verbose {
+        eprint!("\r\x1b[K");
+    }
+    let (before, after): (u64, u64) = lines.iter().fold((0, 0), |(b, a), l| (b + l.bytes_before, a + l.bytes_after));
+    let changed = lines.iter().filter(|l| l.to.is_some()).count();
+    println!(
+        "{} -> {}: {changed} of {} tensors to {to}, {:.2} MB -> {:.2} MB of tensor data, {:.1} s",
+        args.model.display(),
+        args.output.display(),
+        lines.len(),
+        before as f64 / 1e6,
+        after as f64 / 1e6,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
