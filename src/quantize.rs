@@ -1,13 +1,16 @@
-//! `atlas quantize`: a GGUF file with float weights (F32, F16, BF16) re-encoded in a block format
+//! `atlas quantize`. A GGUF file with float weights (F32, F16, BF16) re-encoded in a block format
 //! Atlas writes (Q8_0, Q4_0, and the ROCmFPX fork's ROCmFP4 types 100 and 101): every weight
 //! matrix (2-D, or 3-D stacked experts) whose rows are whole blocks, except the MoE routers and
-//! the Gated DeltaNet convolution, which stay as they are, like every vector. The metadata is
-//! copied with `general.file_type` set; the same input gives the same bytes.
+//! the Gated DeltaNet convolution, which stay as they are, like every vector; the metadata is
+//! copied with `general.file_type` set. Or a safetensors checkpoint written as NVFP4 in NVIDIA
+//! ModelOpt's layout. The same input gives the same bytes.
 
 use std::path::Path;
 
 use crate::gguf::{dense_dtype, write_gguf, GgmlType, GgufFile, MetaValue, TensorInfo, TensorOut};
-use crate::quant::{DenseMatrix, GgmlFormat, QuantMatrix};
+use crate::model::safetensors::SafetensorsStore;
+use crate::quant::fp4::nvfp4_quantize;
+use crate::quant::{DType, DenseMatrix, GgmlFormat, QuantMatrix};
 use crate::{Error, Result};
 
 /// What happened to one tensor.
@@ -95,4 +98,104 @@ pub fn quantize_gguf(input: &Path, output: &Path, to: GgmlFormat, progress: &mut
     }
     write_gguf(output, &metadata, &tensors)?;
     Ok(lines)
+}
+
+/// The projections written as NVFP4: attention, MLP and expert projections (shared experts too).
+/// Embeddings, the head, norms, routers, Gated DeltaNet layers (kept high precision, as the
+/// published NVFP4 Qwen3.5 checkpoints do), vision towers and MTP heads stay as they are.
+fn nvfp4_target(name: &str, shape: &[usize]) -> bool {
+    const PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+    let Some(module) = name.strip_suffix(".weight") else { return false };
+    let last = module.rsplit('.').next().unwrap_or("");
+    shape.len() == 2
+        && shape[1] % 16 == 0
+        && PROJECTIONS.contains(&last)
+        && !["linear_attn.", "visual.", "mtp."].iter().any(|p| name.contains(p))
+}
+
+/// Writes the checkpoint in `input` (a Hugging Face directory) to `output` as NVFP4 (ModelOpt's
+/// tensors: `weight` U8, `weight_scale` F8_E4M3, `weight_scale_2` F32) in one `model.safetensors`,
+/// with config.json's `quantization_config` saying so and every other file copied.
+pub fn quantize_nvfp4(input: &Path, output: &Path, progress: &mut dyn FnMut(usize, usize, &TensorLine)) -> Result<Vec<TensorLine>> {
+    if output.exists() {
+        return Err(Error::InvalidArgument(format!("{} exists: NVFP4 output goes to a new directory", output.display())));
+    }
+    let store = SafetensorsStore::open_dir(input)?;
+    let names = store.names();
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let (mut lines, mut kept) = (Vec::new(), Vec::new());
+    for (i, name) in names.iter().enumerate() {
+        let (dtype, shape, bytes) = store.raw(name)?;
+        let dense = match dtype {
+            safetensors::Dtype::F32 => Some(DType::F32),
+            safetensors::Dtype::F16 => Some(DType::F16),
+            safetensors::Dtype::BF16 => Some(DType::BF16),
+            _ => None,
+        };
+        let line_from = format!("{dtype:?}").to_ascii_lowercase();
+        let mut line = TensorLine { name: name.to_string(), dims: shape.iter().map(|&d| d as u64).collect(), from: line_from, to: None, bytes_before: bytes.len() as u64, bytes_after: bytes.len() as u64 };
+        match dense.filter(|_| nvfp4_target(name, shape)) {
+            Some(dt) => {
+                let (rows, cols) = (shape[0], shape[1]);
+                let m = DenseMatrix::from_le_bytes(rows, cols, dt, bytes);
+                let mut x = vec![0f32; rows * cols];
+                for (r, row) in x.chunks_exact_mut(cols).enumerate() {
+                    m.dequant_row(r, row);
+                }
+                let (codes, scales, tensor_scale) = nvfp4_quantize(&x, cols);
+                let base = name.strip_suffix(".weight").unwrap_or(name);
+                line.to = Some("nvfp4".into());
+                line.bytes_after = (codes.len() + scales.len() + 4) as u64;
+                out.push((name.to_string(), safetensors::Dtype::U8, vec![rows, cols / 2], codes));
+                out.push((format!("{base}.weight_scale"), safetensors::Dtype::F8_E4M3, vec![rows, cols / 16], scales));
+                out.push((format!("{base}.weight_scale_2"), safetensors::Dtype::F32, vec![], tensor_scale.to_le_bytes().to_vec()));
+            }
+            None => {
+                if shape.len() == 2 && name.ends_with(".weight") {
+                    kept.push(name.strip_suffix(".weight").unwrap_or(name).to_string());
+                }
+                out.push((name.to_string(), dtype, shape.to_vec(), bytes.to_vec()));
+            }
+        }
+        progress(i + 1, names.len(), &line);
+        lines.push(line);
+    }
+    std::fs::create_dir_all(output).map_err(|e| Error::io(output, e))?;
+    let views = out
+        .iter()
+        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::InvalidArgument(format!("NVFP4 tensors: {e}")))?;
+    let target = output.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &target).map_err(|e| Error::bad_file(&target, e.to_string()))?;
+    copy_beside_weights(input, output, &kept)?;
+    Ok(lines)
+}
+
+/// Copies every file of the checkpoint but its weights, with config.json's
+/// `quantization_config` set to ModelOpt's NVFP4 (`kept`: the matrices left in high precision).
+fn copy_beside_weights(input: &Path, output: &Path, kept: &[String]) -> Result<()> {
+    let entries = std::fs::read_dir(input).map_err(|e| Error::io(input, e))?;
+    for entry in entries {
+        let path = entry.map_err(|e| Error::io(input, e))?.path();
+        let Some(file) = path.file_name().and_then(|f| f.to_str()) else { continue };
+        let weights = file.ends_with(".safetensors") || file == "model.safetensors.index.json";
+        if !path.is_file() || weights {
+            continue;
+        }
+        let to = output.join(file);
+        if file == "config.json" {
+            let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+            let mut config: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::bad_file(&path, format!("not valid JSON: {e}")))?;
+            config["quantization_config"] = serde_json::json!({
+                "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": kept,
+                "producer": {"name": "atlas", "version": env!("CARGO_PKG_VERSION")},
+            });
+            let json = serde_json::to_string_pretty(&config).map_err(|e| Error::bad_file(&path, e.to_string()))?;
+            std::fs::write(&to, json + "\n").map_err(|e| Error::io(&to, e))?;
+        } else {
+            std::fs::copy(&path, &to).map_err(|e| Error::io(&to, e))?;
+        }
+    }
+    Ok(())
 }

@@ -1,13 +1,13 @@
 //! `atlas quantize` (atlas::quantize) on the BF16 fixture GGUFs: Q8_0 tensors byte-identical to
 //! llama.cpp's own Q8_0 file of the same model, every target deterministic, loadable, and close to
-//! the original (KL divergence on a text, greedy tokens).
+//! the original (KL divergence on a text, greedy tokens); and NVFP4 from a safetensors fixture.
 
 use std::path::{Path, PathBuf};
 
 use atlas::eval;
 use atlas::gguf::GgufFile;
 use atlas::quant::GgmlFormat;
-use atlas::quantize::{parse_target, quantize_gguf};
+use atlas::quantize::{parse_target, quantize_gguf, quantize_nvfp4};
 use atlas::{Device, Engine, EngineOptions, GenerateRequest};
 
 fn fixture(name: &str) -> PathBuf {
@@ -72,4 +72,28 @@ fn every_target_is_deterministic_loads_and_stays_close() {
         }
     }
     assert!(parse_target("Q4_K").is_err());
+}
+
+#[test]
+fn nvfp4_checkpoints_are_deterministic_and_load() {
+    let base = fixture("chat_tiny");
+    let (a, b) = (scratch("nvfp4-a"), scratch("nvfp4-b"));
+    let lines = quantize_nvfp4(&base, &a, &mut |_, _, _| {}).unwrap();
+    quantize_nvfp4(&base, &b, &mut |_, _, _| {}).unwrap();
+    let weights = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert!(weights(&a) == weights(&b), "two runs differ");
+    let written: Vec<&str> = lines.iter().filter(|l| l.to.is_some()).map(|l| l.name.as_str()).collect();
+    assert!(written.contains(&"model.layers.0.self_attn.q_proj.weight") && written.contains(&"model.layers.0.mlp.down_proj.weight"), "{written:?}");
+    assert!(!written.iter().any(|n| n.contains("embed_tokens") || n.contains("norm")), "{written:?}");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["quantization_config"]["quant_algo"], "NVFP4");
+    assert!(a.join("tokenizer.json").is_file());
+    assert!(quantize_nvfp4(&base, &a, &mut |_, _, _| {}).is_err(), "an existing output directory");
+    let text: Vec<u32> = (0..64u32).map(|i| (i * 37 + 11) % 272).collect();
+    let d = eval::divergence(&mut load(&base), &mut load(&a), &text, 16, 4, &mut |_, _| {}).unwrap();
+    let kld = d.mean_kld().mean();
+    assert!(kld.is_finite() && kld < 1.0, "NVFP4 against f32: mean KLD {kld}");
+    for dir in [a, b] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

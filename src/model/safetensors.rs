@@ -108,6 +108,19 @@ impl SafetensorsStore {
             .collect()
     }
 
+    /// A tensor as stored: dtype, shape and bytes (for tools that rewrite checkpoints).
+    pub fn raw(&self, name: &str) -> Result<(Dtype, &[usize], &[u8])> {
+        let entry = self.entry(name)?;
+        Ok((entry.dtype, &entry.shape, self.bytes(entry)))
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
     fn entry(&self, name: &str) -> Result<&TensorEntry> {
         self.tensors.get(name).ok_or_else(|| Error::bad_tensor(name, "missing from the checkpoint"))
     }

@@ -113,6 +113,51 @@ impl QuantMatrix for Nvfp4Matrix {
     }
 }
 
+/// The E4M3 byte (0..=0x7E) nearest a non-negative value, ties to the even byte; values past 448
+/// saturate. By bisection over the byte order, which is the value order for non-negative bytes.
+fn e4m3_nearest(x: f32) -> u8 {
+    if x.is_nan() || x <= 0.0 {
+        return 0;
+    }
+    let (mut lo, mut hi) = (0u8, 0x7Eu8);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if e4m3_to_f32(mid) <= x { lo = mid } else { hi = mid }
+    }
+    let (dl, dh) = (x - e4m3_to_f32(lo), e4m3_to_f32(hi) - x);
+    if dl < dh || (dl == dh && lo % 2 == 0) { lo } else { hi }
+}
+
+/// The nearest E2M1 code of `x` (ties to the smaller magnitude).
+fn e2m1_nearest(x: f32) -> u8 {
+    const UPPER: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+    let level = if x.is_finite() { UPPER.iter().position(|&u| x.abs() <= u).unwrap_or(7) } else { 0 } as u8;
+    if level != 0 && x < 0.0 { level | 8 } else { level }
+}
+
+/// Encodes a `[rows, cols]` row-major matrix (cols a multiple of 16) as NVFP4 the way ModelOpt
+/// lays it out: (codes two per byte, E4M3 scales per 16, the per-tensor scale). The tensor scale
+/// maps the largest value to the largest block scale (448) times the largest code (6); each
+/// block's scale is its own largest value over 6, in units of the tensor scale, rounded to E4M3;
+/// each value rounds to the nearest code at its block's scale.
+pub fn nvfp4_quantize(x: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>, f32) {
+    let amax = x.iter().fold(0f32, |m, v| if v.is_finite() { m.max(v.abs()) } else { m });
+    let tensor_scale = if amax > 0.0 { amax / (448.0 * 6.0) } else { 1.0 };
+    let mut codes = Vec::with_capacity(x.len() / 2);
+    let mut scales = Vec::with_capacity(x.len() / 16);
+    for row in x.chunks_exact(cols) {
+        for group in row.chunks_exact(16) {
+            let block_max = group.iter().fold(0f32, |m, v| if v.is_finite() { m.max(v.abs()) } else { m });
+            let e = e4m3_nearest(block_max / 6.0 / tensor_scale);
+            let step = e4m3_to_f32(e) * tensor_scale;
+            let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+            scales.push(e);
+            codes.extend(group.chunks_exact(2).map(|p| e2m1_nearest(p[0] * inv) | (e2m1_nearest(p[1] * inv) << 4)));
+        }
+    }
+    (codes, scales, tensor_scale)
+}
+
 /// ROCmFP4's "Codebook10": code → signed integer (bit 3 is the sign; code 8 is 0).
 const CODEBOOK10: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 10, 0, -1, -2, -3, -4, -6, -8, -10];
 
@@ -252,6 +297,28 @@ mod tests {
         assert!((row[0] - 15.0 / 5376.0).abs() < 1e-8 && (row[1] + 20.0 / 5376.0).abs() < 1e-8, "{row:?}");
         assert!(Nvfp4Matrix::new(1, 24, vec![0; 12], vec![0; 1], 1.0).is_err(), "cols not a multiple of 16");
         assert!(Nvfp4Matrix::new(1, 16, vec![0; 7], vec![0; 1], 1.0).is_err(), "too few codes");
+    }
+
+    #[test]
+    fn nvfp4_encoding_rounds_to_the_nearest_codes_and_scales() {
+        assert_eq!((e4m3_nearest(1.0), e4m3_nearest(1.5), e4m3_nearest(448.0), e4m3_nearest(1e9), e4m3_nearest(0.0)), (0x38, 0x3C, 0x7E, 0x7E, 0));
+        // Between 1.0 (0x38) and 1.125 (0x39): nearer 1.125 above the midpoint, the even byte at it.
+        assert_eq!((e4m3_nearest(1.07), e4m3_nearest(1.0625)), (0x39, 0x38));
+        assert_eq!((e2m1_nearest(0.2), e2m1_nearest(-0.8), e2m1_nearest(5.5), e2m1_nearest(-100.0)), (0, 0x0A, 7, 0x0F));
+        // A round trip: every value within half a code step (at most 1 of 6 units) plus the
+        // block scale's E4M3 rounding (1/16).
+        let x: Vec<f32> = (0..4 * 48).map(|i| ((i * 7919 % 97) as f32 - 48.0) * 0.01 * (1 + i / 48) as f32).collect();
+        let (codes, scales, t) = nvfp4_quantize(&x, 48);
+        let m = Nvfp4Matrix::new(4, 48, codes, scales, t).unwrap();
+        let mut row = vec![0f32; 48];
+        for r in 0..4 {
+            m.dequant_row(r, &mut row);
+            for (g, (got, want)) in row.chunks(16).zip(x[r * 48..(r + 1) * 48].chunks(16)).enumerate() {
+                let block_max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst <= block_max * (1.0 / 6.0 + 1.0 / 16.0), "row {r} group {g}: {worst} of {block_max}");
+            }
+        }
     }
 
     #[test]

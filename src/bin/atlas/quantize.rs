@@ -3,20 +3,22 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use atlas::quantize::{parse_target, quantize_gguf};
+use atlas::quantize::{parse_target, quantize_gguf, quantize_nvfp4};
 use atlas::{Error, Result};
 use clap::Args;
 
 #[derive(Args, Clone)]
 pub struct QuantizeArgs {
-    /// A GGUF file with float (F32, F16 or BF16) weights, e.g. llama.cpp's convert_hf_to_gguf.py output.
+    /// A GGUF file with float (F32, F16 or BF16) weights, e.g. llama.cpp's convert_hf_to_gguf.py
+    /// output; for NVFP4, a Hugging Face safetensors directory.
     #[arg(short, long)]
     model: PathBuf,
-    /// The block format: Q8_0, Q4_0, Q4_0_ROCMFP4 (ROCmFP4, a scale per 16 weights) or
-    /// Q4_0_ROCMFP4_FAST (one scale per 32).
+    /// The format: Q8_0, Q4_0, Q4_0_ROCMFP4 (ROCmFP4, a scale per 16 weights) or
+    /// Q4_0_ROCMFP4_FAST (one scale per 32) for GGUF; NVFP4 for safetensors (NVIDIA ModelOpt's
+    /// layout: attention and MLP projections, the rest kept).
     #[arg(long)]
     to: String,
-    /// The GGUF file to write.
+    /// The GGUF file to write (NVFP4: a new directory).
     #[arg(short, long)]
     output: PathBuf,
     /// Print every tensor (name, shape, from → to, sizes), not only the totals.
@@ -25,20 +27,30 @@ pub struct QuantizeArgs {
 }
 
 pub fn run(args: &QuantizeArgs) -> Result<()> {
-    let to = parse_target(&args.to)?;
+    let nvfp4 = args.to.eq_ignore_ascii_case("nvfp4");
+    let to = if nvfp4 { None } else { Some(parse_target(&args.to)?) };
     if args.output.canonicalize().ok() == Some(args.model.canonicalize().map_err(|e| Error::io(&args.model, e))?) {
         return Err(Error::InvalidArgument("the output would overwrite the input".into()));
     }
+    if nvfp4 != args.model.is_dir() {
+        let what = if nvfp4 { "NVFP4 is written from a safetensors directory" } else { "GGUF formats are written from a GGUF file" };
+        return Err(Error::InvalidArgument(format!("{what}; {} is not one", args.model.display())));
+    }
     let tty = std::io::stderr().is_terminal();
     let started = std::time::Instant::now();
-    let lines = quantize_gguf(&args.model, &args.output, to, &mut |done, total, line| {
+    let mut report = |done: usize, total: usize, line: &atlas::quantize::TensorLine| {
         if args.verbose {
             let to = line.to.as_deref().unwrap_or("(kept)");
             eprintln!("[{done:4}/{total}] {:40} {:>20} {:>6} -> {:8} {:>10} -> {:>10} bytes", line.name, format!("{:?}", line.dims), line.from, to, line.bytes_before, line.bytes_after);
         } else if tty {
             eprint!("\rquantizing: {done}/{total} tensors");
         }
-    })?;
+    };
+    let lines = match to {
+        Some(to) => quantize_gguf(&args.model, &args.output, to, &mut report)?,
+        None => quantize_nvfp4(&args.model, &args.output, &mut report)?,
+    };
+    let to = to.map_or("nvfp4".to_string(), |f| f.name().to_string());
     if tty && !args.verbose {
         eprint!("\r\x1b[K");
     }
