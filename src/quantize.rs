@@ -1,5 +1,6 @@
 //! `atlas quantize`. A GGUF file with float weights (F32, F16, BF16) re-encoded in a block format
-//! Atlas writes (Q8_0, Q4_0, and the ROCmFPX fork's ROCmFP4 types 100 and 101): every weight
+//! Atlas writes (Q8_0, Q4_0, Q4_K, Q6_K, llama.cpp's Q4_K_M mix of those two, and the ROCmFPX
+//! fork's ROCmFP4 types 100 and 101): every weight
 //! matrix (2-D, or 3-D stacked experts) whose rows are whole blocks, except the MoE routers and
 //! the Gated DeltaNet convolution, which stay as they are, like every vector; the metadata is
 //! copied with `general.file_type` set. Or a safetensors checkpoint written as NVFP4 in NVIDIA
@@ -25,45 +26,131 @@ pub struct TensorLine {
     pub bytes_after: u64,
 }
 
-/// llama.cpp's `general.file_type` (llama_ftype) of a file that is mostly `to`.
-fn file_type(to: GgmlFormat) -> u32 {
-    match to {
-        GgmlFormat::Q8_0 => 7,
-        GgmlFormat::Q4_0 => 2,
-        GgmlFormat::ROCMFP4 => 100,
-        // The fork's ftype for "all FAST" is 103 (its tensor type is 101).
-        _ => 103,
+/// What a GGUF quantisation writes: one block format for every weight, or llama.cpp's Q4_K_M mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    Uniform(GgmlFormat),
+    /// Q4_K, with Q6_K for the head (the tied embedding too) and for the value and down
+    /// projections of the layers llama.cpp gives more bits (the first and last eighth, and every
+    /// third between); Atlas writes no Q5_K, so a fused qkv projection takes Q6_K there too.
+    Q4KM,
+}
+
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Plan::Q4KM => f.write_str("q4_k_m"),
+            Plan::Uniform(format) => f.write_str(format.name()),
+        }
     }
 }
 
-/// The target format named on the command line (ggml's type names; case does not matter).
-pub fn parse_target(name: &str) -> Result<GgmlFormat> {
-    GgmlFormat::WRITABLE.into_iter().find(|f| f.name().eq_ignore_ascii_case(name)).ok_or_else(|| {
+impl Plan {
+    /// llama.cpp's `general.file_type` (llama_ftype) of the file.
+    fn file_type(self) -> u32 {
+        match self {
+            Plan::Q4KM => 15,
+            Plan::Uniform(GgmlFormat::Q8_0) => 7,
+            Plan::Uniform(GgmlFormat::Q4_0) => 2,
+            Plan::Uniform(GgmlFormat::Q4_K) => 14,
+            Plan::Uniform(GgmlFormat::Q6_K) => 18,
+            Plan::Uniform(GgmlFormat::ROCMFP4) => 100,
+            // The fork's ftype for "all FAST" is 103 (its tensor type is 101).
+            Plan::Uniform(_) => 103,
+        }
+    }
+}
+
+/// The plan named on the command line: Q4_K_M, or a format ggml names (case does not matter).
+pub fn parse_target(name: &str) -> Result<Plan> {
+    if name.eq_ignore_ascii_case("q4_k_m") {
+        return Ok(Plan::Q4KM);
+    }
+    GgmlFormat::WRITABLE.into_iter().find(|f| f.name().eq_ignore_ascii_case(name)).map(Plan::Uniform).ok_or_else(|| {
         let names: Vec<String> = GgmlFormat::WRITABLE.iter().map(|f| f.name().to_ascii_uppercase()).collect();
-        Error::InvalidArgument(format!("cannot quantize to {name:?}: Atlas writes {}", names.join(", ")))
+        Error::InvalidArgument(format!("cannot quantize to {name:?}: Atlas writes Q4_K_M, {}", names.join(", ")))
     })
 }
 
-/// Whether `t` is a weight matrix this writes in the block format.
-fn quantizes(t: &TensorInfo, to: GgmlFormat) -> bool {
+/// Whether `t` is a weight matrix a plan writes in a block format (routers, convolutions and
+/// vectors never are).
+fn is_weight_matrix(t: &TensorInfo) -> bool {
     let kept = ["ffn_gate_inp", "ssm_conv1d"];
     (t.dims.len() == 2 || t.dims.len() == 3)
         && t.name.ends_with(".weight")
         && !kept.iter().any(|k| t.name.contains(k))
         && dense_dtype(t.ggml_type).is_some()
-        && t.dims[0] % to.block_size() as u64 == 0
+}
+
+/// The roles whose type depends on the layer under Q4_K_M, by name.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Head,
+    Value,
+    Down,
+    Other,
+}
+
+fn role(name: &str, has_output: bool) -> Role {
+    if name == "output.weight" || (!has_output && name == "token_embd.weight") {
+        Role::Head
+    } else if name.contains("attn_v.weight") || name.contains("attn_qkv.weight") {
+        Role::Value
+    } else if name.contains("ffn_down") {
+        Role::Down
+    } else {
+        Role::Other
+    }
+}
+
+/// llama.cpp's layers that get more bits: the first and last eighth, and every third between.
+fn more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// The format of each tensor (None: kept as it is), with the shape fallback: rows that are not
+/// whole k-quant super-blocks take Q8_0 (llama.cpp takes Q5_0, which Atlas does not write).
+fn formats(file: &GgufFile, plan: Plan) -> Vec<Option<GgmlFormat>> {
+    let has_output = file.tensor("output.weight").is_some();
+    let roles: Vec<Role> = file.tensors().iter().map(|t| role(&t.name, has_output)).collect();
+    let count = |r: Role| roles.iter().filter(|&&x| x == r).count();
+    let (n_value, n_down) = (count(Role::Value), count(Role::Down));
+    let (mut i_value, mut i_down) = (0, 0);
+    file.tensors()
+        .iter()
+        .zip(&roles)
+        .map(|(t, &r)| {
+            let wanted = match (plan, r) {
+                (Plan::Uniform(f), _) => f,
+                (Plan::Q4KM, Role::Head) => GgmlFormat::Q6_K,
+                (Plan::Q4KM, Role::Value) => {
+                    i_value += 1;
+                    if more_bits(i_value - 1, n_value) { GgmlFormat::Q6_K } else { GgmlFormat::Q4_K }
+                }
+                (Plan::Q4KM, Role::Down) => {
+                    i_down += 1;
+                    if more_bits(i_down - 1, n_down) { GgmlFormat::Q6_K } else { GgmlFormat::Q4_K }
+                }
+                (Plan::Q4KM, Role::Other) => GgmlFormat::Q4_K,
+            };
+            let fits = |f: GgmlFormat| t.dims[0] % f.block_size() as u64 == 0;
+            let k_quant = matches!(plan, Plan::Q4KM);
+            let chosen = if fits(wanted) { Some(wanted) } else { Some(GgmlFormat::Q8_0).filter(|&f| k_quant && fits(f)) };
+            chosen.filter(|_| is_weight_matrix(t))
+        })
+        .collect()
 }
 
 /// Re-encodes `input` into `output`; `progress` sees each tensor as it is done (index, count).
-pub fn quantize_gguf(input: &Path, output: &Path, to: GgmlFormat, progress: &mut dyn FnMut(usize, usize, &TensorLine)) -> Result<Vec<TensorLine>> {
+pub fn quantize_gguf(input: &Path, output: &Path, plan: Plan, progress: &mut dyn FnMut(usize, usize, &TensorLine)) -> Result<Vec<TensorLine>> {
     let file = GgufFile::open(input)?;
-    let target = GgmlType::from_u32(to.ggml_type()).ok_or_else(|| Error::InvalidArgument(format!("no ggml type {}", to.ggml_type())))?;
     let mut tensors = Vec::with_capacity(file.tensors().len());
     let mut lines = Vec::with_capacity(file.tensors().len());
-    for (i, t) in file.tensors().iter().enumerate() {
+    for (i, (t, to)) in file.tensors().iter().zip(formats(&file, plan)).enumerate() {
         let data = file.tensor_data(t);
-        let (out, line_to) = match dense_dtype(t.ggml_type).filter(|_| quantizes(t, to)) {
-            Some(dtype) => {
+        let (out, line_to) = match to.zip(dense_dtype(t.ggml_type)) {
+            Some((to, dtype)) => {
+                let target = GgmlType::from_u32(to.ggml_type()).ok_or_else(|| Error::InvalidArgument(format!("no ggml type {}", to.ggml_type())))?;
                 let cols = t.dims[0] as usize;
                 let rows = (t.n_elements() / t.dims[0]) as usize;
                 let m = DenseMatrix::from_le_bytes(rows, cols, dtype, data);
@@ -90,7 +177,7 @@ pub fn quantize_gguf(input: &Path, output: &Path, to: GgmlFormat, progress: &mut
         lines.push(line);
     }
     let mut metadata: Vec<(String, MetaValue)> = file.metadata().to_vec();
-    for (key, v) in [("general.file_type", file_type(to)), ("general.quantization_version", 2)] {
+    for (key, v) in [("general.file_type", plan.file_type()), ("general.quantization_version", 2)] {
         match metadata.iter_mut().find(|(k, _)| k == key) {
             Some(entry) => entry.1 = MetaValue::U32(v),
             None => metadata.push((key.to_string(), MetaValue::U32(v))),
@@ -198,4 +285,67 @@ fn copy_beside_weights(input: &Path, output: &Path, kept: &[String]) -> Result<(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{MetaArray, TensorOut};
+
+    /// A GGUF of 256-wide F32 tensors named as a model's: a head, eight layers of value and down
+    /// projections, a query projection, a router and a norm.
+    fn wide_file(path: &Path) {
+        let f32t = GgmlType::from_u32(0).unwrap();
+        let mut names: Vec<(String, Vec<u64>)> = vec![("output.weight".into(), vec![256, 2])];
+        for i in 0..8 {
+            names.push((format!("blk.{i}.attn_v.weight"), vec![256, 2]));
+            names.push((format!("blk.{i}.ffn_down.weight"), vec![256, 2]));
+        }
+        names.extend([("blk.0.attn_q.weight".into(), vec![256, 2]), ("blk.0.ffn_gate_inp.weight".into(), vec![256, 2]), ("blk.0.attn_norm.weight".into(), vec![256])]);
+        let tensors: Vec<TensorOut> = names
+            .into_iter()
+            .enumerate()
+            .map(|(k, (name, dims))| {
+                let n: u64 = dims.iter().product();
+                let data = (0..n).flat_map(|i| (((i * 7919 + k as u64 * 31) % 211) as f32 / 211.0 - 0.5).to_le_bytes()).collect();
+                TensorOut { name, dims, ggml_type: f32t, data }
+            })
+            .collect();
+        let metadata = vec![("general.architecture".to_string(), MetaValue::String("llama".into())), ("x".to_string(), MetaValue::Array(MetaArray::U8(vec![1])))];
+        write_gguf(path, &metadata, &tensors).unwrap();
+    }
+
+    #[test]
+    fn q4_k_m_gives_the_head_and_the_more_bits_layers_q6_k() {
+        let (input, output) = (std::env::temp_dir().join(format!("atlas-plan-{}.gguf", std::process::id())), std::env::temp_dir().join(format!("atlas-plan-out-{}.gguf", std::process::id())));
+        wide_file(&input);
+        let lines = quantize_gguf(&input, &output, Plan::Q4KM, &mut |_, _, _| {}).unwrap();
+        let to = |name: &str| lines.iter().find(|l| l.name == name).and_then(|l| l.to.clone());
+        assert_eq!(to("output.weight").as_deref(), Some("q6_k"));
+        // Of 8 layers, 0, 3, 6 and 7 get more bits (the first and last eighth, every third between).
+        for i in 0..8 {
+            let want = if [0, 3, 6, 7].contains(&i) { "q6_k" } else { "q4_k" };
+            assert_eq!(to(&format!("blk.{i}.attn_v.weight")).as_deref(), Some(want), "attn_v {i}");
+            assert_eq!(to(&format!("blk.{i}.ffn_down.weight")).as_deref(), Some(want), "ffn_down {i}");
+        }
+        assert_eq!(to("blk.0.attn_q.weight").as_deref(), Some("q4_k"));
+        assert_eq!((to("blk.0.ffn_gate_inp.weight"), to("blk.0.attn_norm.weight")), (None, None));
+        // The written blocks decode close to the values.
+        let (src, out) = (GgufFile::open(&input).unwrap(), GgufFile::open(&output).unwrap());
+        assert_eq!(out.get("general.file_type").and_then(MetaValue::as_u64), Some(15));
+        for name in ["output.weight", "blk.1.attn_v.weight"] {
+            let (t, u) = (src.tensor(name).unwrap(), out.tensor(name).unwrap());
+            let want: Vec<f32> = src.tensor_data(t).chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let format = GgmlFormat::from_ggml_type(u.ggml_type.id()).unwrap();
+            let mut got = vec![0f32; want.len()];
+            format.dequant_blocks(out.tensor_data(u), &mut got);
+            let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 0.05, "{name} ({format}): worst error {worst}");
+        }
+        assert_eq!(parse_target("q4_k_m").unwrap(), Plan::Q4KM);
+        assert!(parse_target("Q5_K_M").is_err());
+        for p in [input, output] {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
 }

@@ -6,6 +6,7 @@ mod dense;
 pub mod fp4;
 pub mod fp8;
 mod ggml;
+mod kquant;
 pub mod synthetic;
 
 pub use dense::{DenseMatrix, DenseData};

@@ -13,8 +13,8 @@ pub struct QuantizeArgs {
     /// output; for NVFP4, a Hugging Face safetensors directory.
     #[arg(short, long)]
     model: PathBuf,
-    /// The format: Q8_0, Q4_0, Q4_0_ROCMFP4 (ROCmFP4, a scale per 16 weights) or
-    /// Q4_0_ROCMFP4_FAST (one scale per 32) for GGUF; NVFP4 for safetensors (NVIDIA ModelOpt's
+    /// The format: Q4_K_M (llama.cpp's mix of Q4_K and Q6_K), Q8_0, Q4_0, Q4_K, Q6_K,
+    /// Q4_0_ROCMFP4 (ROCmFP4, a scale per 16 weights) or Q4_0_ROCMFP4_FAST (one per 32) for GGUF; NVFP4 for safetensors (NVIDIA ModelOpt's
     /// layout: attention and MLP projections, the rest kept).
     #[arg(long)]
     to: String,
@@ -50,7 +50,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         Some(to) => quantize_gguf(&args.model, &args.output, to, &mut report)?,
         None => quantize_nvfp4(&args.model, &args.output, &mut report)?,
     };
-    let to = to.map_or("nvfp4".to_string(), |f| f.name().to_string());
+    let to = to.map_or("nvfp4".to_string(), |p| p.to_string());
     if tty && !args.verbose {
         eprint!("\r\x1b[K");
     }
