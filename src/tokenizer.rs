@@ -10,7 +10,7 @@ use crate::{Error, Result};
 /// `expect("Helper")` in `DecoderWrapper::deserialize`); a tokenizer comes with the model files, so
 /// that must be a load error, not a crash of the host. Nothing outlives the call, so nothing is
 /// left half-changed by the unwinding.
-fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
+pub(crate) fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
         let msg = panic
             .downcast_ref::<&str>()

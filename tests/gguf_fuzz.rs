@@ -170,6 +170,10 @@ const MERGES: &[&str] = &["h e", "l l", "ll o", "he llo", "Ġ w", "o r", "Ġw or
 
 /// A one-layer model of `arch` ("llama" or "qwen3") with a byte-level BPE vocabulary.
 fn model_file(arch: &str, version: u32) -> Vec<u8> {
+    model_file_with_merges(arch, version, MERGES)
+}
+
+fn model_file_with_merges(arch: &str, version: u32, merges: &[&str]) -> Vec<u8> {
     assert_eq!(TOKENS.len(), VOCAB);
     let mut rng = Rng(42);
     let mut w = Writer::default();
@@ -221,7 +225,7 @@ fn model_file(arch: &str, version: u32) -> Vec<u8> {
         })
         .collect();
     w.i32s("tokenizer.ggml.token_type", &types);
-    w.strs("tokenizer.ggml.merges", MERGES);
+    w.strs("tokenizer.ggml.merges", merges);
     w.u32("tokenizer.ggml.bos_token_id", 1);
     w.u32("tokenizer.ggml.eos_token_id", 2);
     w.str("tokenizer.chat_template", "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}");
@@ -302,6 +306,16 @@ fn no_panic(bytes: Vec<u8>, what: &str) -> Result<(), String> {
             let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
             panic!("{what}: the reader panicked: {msg:?}");
         }
+    }
+}
+
+#[test]
+fn a_merge_whose_result_is_not_a_token_is_an_error_not_a_panic() {
+    // Found by the gguf fuzz target: tokenizers 0.23 copies a merge's halves into a buffer as long
+    // as the longest token and panicked when they were longer ("<|endoftext|>" twice is 26 bytes).
+    for merges in [&["<|endoftext|> <|endoftext|>"][..], &["h e", "he z"], &["q x"]] {
+        let err = no_panic(model_file_with_merges("qwen3", 3, merges), "a merge outside the vocabulary").unwrap_err();
+        assert!(err.contains("not in the vocabulary"), "{merges:?}: {err}");
     }
 }
 

@@ -115,15 +115,23 @@ pub(crate) fn build(file: &GgufFile) -> Result<Tokenizer> {
         let (a, b) = m
             .split_once(' ')
             .ok_or_else(|| bad(format!("tokenizer.ggml.merges entry {i} ({m:?}) is not two tokens")))?;
+        // Checked here: tokenizers 0.23 copies a merge's two halves into a buffer as long as the
+        // longest token before it looks the result up, and panics when they are longer.
+        if let Some(missing) = [a, b, &format!("{a}{b}")].into_iter().find(|t| !vocab.contains_key(*t)) {
+            return Err(bad(format!("tokenizer.ggml.merges entry {i} ({m:?}) needs the token {missing:?}, which is not in the vocabulary")));
+        }
         merge_pairs.push((a.to_string(), b.to_string()));
     }
     let ignore_merges = matches!(split, PreSplit::Regex { ignore_merges: true, .. });
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merge_pairs)
-        .ignore_merges(ignore_merges)
-        .cache_capacity(crate::tokenizer::BPE_CACHE_WORDS)
-        .build()
-        .map_err(|e| bad(format!("cannot build the BPE tokenizer: {e}")))?;
+    let bpe = crate::tokenizer::guarded("building the GGUF file's BPE model", || {
+        BPE::builder()
+            .vocab_and_merges(vocab, merge_pairs)
+            .ignore_merges(ignore_merges)
+            .cache_capacity(crate::tokenizer::BPE_CACHE_WORDS)
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .map_err(|e| bad(format!("cannot build the BPE tokenizer: {e}")))?;
 
     let mut tk = Tokenizer::new(bpe);
     let byte_level = ByteLevel::default().add_prefix_space(false).trim_offsets(false);
