@@ -377,6 +377,30 @@ fn fixture_models_match_the_cpu() {
 }
 
 #[test]
+fn every_positions_logits_in_one_pass_match_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    // atlas perplexity / kld score a chunk from one pass (StepOutput::AllLogits): the GPU's
+    // [T, vocab] logits against the CPU's, and the perplexity from them, for a dense and a hybrid
+    // fixture (bf16 weights on the GPU: 2e-2 of the largest logit, 1 % of the perplexity).
+    for name in ["qwen3_tied", "qwen3_5_tiny"] {
+        let tokens: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 256).collect();
+        let mut scores = Vec::new();
+        let mut all = Vec::new();
+        for device in [Device::Cpu, Device::Cuda] {
+            let mut engine = Engine::load(&EngineOptions { device, ..EngineOptions::new(fixture(name)) }, &mut |_| {}).unwrap();
+            all.push(engine.logits_all(&tokens).unwrap());
+            scores.push(atlas::eval::perplexity(&mut engine, &tokens, 16, 2, &mut |_, _| {}).unwrap().value());
+        }
+        let max_ref = all[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = all[1].iter().zip(&all[0]).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / max_ref;
+        assert!(all[0].len() == all[1].len() && err < 2e-2, "{name}: every position's logits, relative error {err}");
+        assert!((scores[1] - scores[0]).abs() < 0.01 * scores[0], "{name}: perplexity {} on the GPU, {} on the CPU", scores[1], scores[0]);
+    }
+}
+
+#[test]
 fn top_k_sampling_on_the_device_is_reproducible() {
     if gpu().is_none() {
         return;
