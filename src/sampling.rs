@@ -338,10 +338,6 @@ impl Adjustments {
         self.version += 1;
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.list.is_empty()
-    }
-
     pub fn list(&self) -> &[Adjustment] {
         &self.list
     }
