@@ -9,11 +9,11 @@ use super::fp8::e4m3_to_f32;
 use super::{DType, QuantMatrix};
 
 /// E2M1 code → value × 2 (bit 3 is the sign).
-const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub(super) const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// An unsigned E4M3 scale byte (bias 7; exponent 0 is subnormal: man · 2^-9), halved to undo the
 /// doubled codes; 0x7F (the NaN pattern) and 0 are 0.
-fn ue4m3_half(x: u8) -> f32 {
+pub(super) fn ue4m3_half(x: u8) -> f32 {
     let exp = (x >> 3) & 0x0F;
     let man = (x & 7) as f32;
     let value = if exp == 0 { man * (2f32).powi(-9) } else { (1.0 + man / 8.0) * (2f32).powi(exp as i32 - 7) };
@@ -22,7 +22,7 @@ fn ue4m3_half(x: u8) -> f32 {
 
 /// An E8M0 scale byte 2^(e - 127), halved to undo the doubled codes (e = 0 and 1 are the
 /// subnormal-range powers 2^-128 and 2^-127 as ggml computes them).
-fn e8m0_half(e: u8) -> f32 {
+pub(super) fn e8m0_half(e: u8) -> f32 {
     let bits = if e < 2 { 0x0020_0000u32 << e } else { ((e - 1) as u32) << 23 };
     f32::from_bits(bits)
 }
@@ -84,6 +84,11 @@ impl Nvfp4Matrix {
         }
         Ok(Nvfp4Matrix { rows, cols, codes, scales, factor })
     }
+
+    /// (codes, scales, factor) as `new` took them.
+    pub fn parts(&self) -> (&[u8], &[u8], f32) {
+        (&self.codes, &self.scales, self.factor)
+    }
 }
 
 impl QuantMatrix for Nvfp4Matrix {
@@ -98,6 +103,9 @@ impl QuantMatrix for Nvfp4Matrix {
     }
     fn storage_bytes(&self) -> usize {
         self.codes.len() + self.scales.len() + 4
+    }
+    fn as_nvfp4(&self) -> Option<&Nvfp4Matrix> {
+        Some(self)
     }
     fn dequant_row(&self, row: usize, out: &mut [f32]) {
         let codes = &self.codes[row * self.cols / 2..(row + 1) * self.cols / 2];
@@ -159,12 +167,12 @@ pub fn nvfp4_quantize(x: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>, f32) {
 }
 
 /// ROCmFP4's "Codebook10": code → signed integer (bit 3 is the sign; code 8 is 0).
-const CODEBOOK10: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 10, 0, -1, -2, -3, -4, -6, -8, -10];
+pub(super) const CODEBOOK10: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 10, 0, -1, -2, -3, -4, -6, -8, -10];
 
 /// ROCmFP4's scale byte (4-bit exponent, 3-bit mantissa, bias 8): 2^(exp-8) · (1 + man/8), or
 /// man · 2^-10 for exp 0. Bytes past 0x7E are invalid in the fork's files and decode to 0, as its
 /// CPU code does.
-fn rocmfp4_scale(x: u8) -> f32 {
+pub(super) fn rocmfp4_scale(x: u8) -> f32 {
     let (exp, man) = ((x >> 3) as i32, (x & 7) as f32);
     match (x, exp) {
         (0x7F.., _) => 0.0,

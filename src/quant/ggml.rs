@@ -246,7 +246,7 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of Q4_K / Q5_K
 /// (ggml's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -322,7 +322,7 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
 }
 
 /// The 16 non-linear 4-bit levels of IQ4_NL and IQ4_XS (ggml's `kvalues_iq4nl`).
-const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub(super) const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// block_iq4_nl { f16 d; u8 qs[16] }: low nibbles are elements 0..16, high nibbles 16..32; y = d *
 /// IQ4_LEVELS[q].
@@ -433,6 +433,10 @@ impl QuantMatrix for GgmlMatrix {
     fn dequant_row(&self, row: usize, out: &mut [f32]) {
         self.format.dequant_blocks(self.row_blocks(row), out);
     }
+
+    fn as_ggml(&self) -> Option<&GgmlMatrix> {
+        Some(self)
+    }
 }
 
 #[cfg(test)]
@@ -456,35 +460,6 @@ mod tests {
         fn unit(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         }
-    }
-
-    /// Random blocks with finite, moderate scales at the format's scale positions (f16; MXFP4's
-    /// power of two and NVFP4's E4M3 bytes kept near 1).
-    fn random_blocks(format: GgmlFormat, n: usize, rng: &mut Rng) -> Vec<u8> {
-        let mut out = Vec::with_capacity(n * format.block_bytes());
-        for _ in 0..n {
-            let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| rng.byte()).collect();
-            let scale_at: &[usize] = match format {
-                GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => &[0],
-                GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
-                GgmlFormat::Q6_K => &[208],
-                GgmlFormat::MXFP4 => {
-                    b[0] = 120 + rng.byte() % 8;
-                    &[]
-                }
-                GgmlFormat::NVFP4 => {
-                    b[..4].iter_mut().for_each(|s| *s = 0x28 + rng.byte() % 0x18);
-                    &[]
-                }
-                GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => &[],
-            };
-            for &at in scale_at {
-                let v = half::f16::from_f32(rng.unit() * 0.05).to_le_bytes();
-                b[at..at + 2].copy_from_slice(&v);
-            }
-            out.extend_from_slice(&b);
-        }
-        out
     }
 
     #[test]
@@ -531,7 +506,7 @@ mod tests {
         let mut rng = Rng(7);
         for format in GgmlFormat::ALL {
             let (rows, cols) = (5, 2 * format.block_size());
-            let data = random_blocks(format, rows * 2, &mut rng);
+            let data = crate::quant::synthetic::random_ggml_blocks(format, rows * 2, 7 + format.ggml_type() as u64);
             let m = GgmlMatrix::new(format, rows, cols, data.clone()).unwrap();
             assert_eq!(m.dtype().name(), format.name());
             assert_eq!(m.storage_bytes(), rows * 2 * format.block_bytes());

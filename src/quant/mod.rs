@@ -7,6 +7,7 @@ pub mod fp4;
 pub mod fp8;
 mod ggml;
 mod kquant;
+pub mod packed;
 pub mod synthetic;
 
 pub use dense::{DenseMatrix, DenseData};
@@ -81,6 +82,18 @@ pub trait QuantMatrix: Send + Sync + std::fmt::Debug {
     fn fp8_blocks(&self) -> Option<(&[u8], &[f32])> {
         None
     }
+    /// The GGML blocks themselves, for backends that keep them packed (see [`packed`]).
+    fn as_ggml(&self) -> Option<&GgmlMatrix> {
+        None
+    }
+    /// An NVFP4 safetensors matrix, likewise.
+    fn as_nvfp4(&self) -> Option<&fp4::Nvfp4Matrix> {
+        None
+    }
+    /// (matrix, rows) when this is some rows of another matrix.
+    fn row_selection(&self) -> Option<(&dyn QuantMatrix, &[usize])> {
+        None
+    }
 }
 
 /// Some rows of a matrix, in a given order: one part of a fused projection.
@@ -114,6 +127,9 @@ impl QuantMatrix for RowSelection {
     }
     fn dequant_row(&self, row: usize, out: &mut [f32]) {
         self.inner.dequant_row(self.rows[row], out)
+    }
+    fn row_selection(&self) -> Option<(&dyn QuantMatrix, &[usize])> {
+        Some((self.inner.as_ref(), &self.rows))
     }
 }
 

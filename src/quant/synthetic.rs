@@ -77,3 +77,39 @@ impl QuantMatrix for SyntheticMatrix {
         Some((self.seed, self.scale))
     }
 }
+
+/// `n` random GGML blocks of `format` (seeded): random codes, with finite moderate scales (f16
+/// scales within ±0.05; MXFP4's power of two and NVFP4's E4M3 bytes near 1), for tests of every
+/// decoder and kernel.
+pub fn random_ggml_blocks(format: super::GgmlFormat, n: usize, seed: u64) -> Vec<u8> {
+    use super::GgmlFormat as F;
+    let mut i = 0u64;
+    let mut byte = || {
+        i += 1;
+        hash(seed, i) as u8
+    };
+    let mut out = Vec::with_capacity(n * format.block_bytes());
+    for _ in 0..n {
+        let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| byte()).collect();
+        let scale_at: &[usize] = match format {
+            F::Q8_0 | F::Q4_0 | F::IQ4_NL | F::IQ4_XS => &[0],
+            F::Q4_1 | F::Q4_K | F::Q5_K => &[0, 2],
+            F::Q6_K => &[208],
+            F::MXFP4 => {
+                b[0] = 120 + byte() % 8;
+                &[]
+            }
+            F::NVFP4 => {
+                b[..4].iter_mut().for_each(|s| *s = 0x28 + byte() % 0x18);
+                &[]
+            }
+            F::ROCMFP4 | F::ROCMFP4_FAST => &[],
+        };
+        for &at in scale_at {
+            let unit = u16::from_le_bytes([byte(), byte()]) as f32 / 32768.0 - 1.0;
+            b[at..at + 2].copy_from_slice(&half::f16::from_f32(unit * 0.05).to_le_bytes());
+        }
+        out.extend_from_slice(&b);
+    }
+    out
+}
