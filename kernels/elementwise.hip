@@ -1,6 +1,7 @@
 // Elementwise ops on f32 activations. Launch: 1-D grid of 256-thread blocks covering n.
 #include "common/portable.h"
 #include "common/fp8.h"
+#include "common/packed.h"
 
 // out = silu(gate) * up
 ATLAS_KERNEL void silu_mul(const float* gate, const float* up, float* out, int n) {
@@ -44,6 +45,25 @@ ATLAS_KERNEL void embed_fp8(const unsigned char* table, const float* scales, con
     const int row = tokens[t];
     const float s = fp8_scale(scales[(row / FP8_BLOCK) * kblocks + c / FP8_BLOCK]);
     out[(long)t * cols + c] = e4m3_scaled(table[(long)row * cols + c]) * s;
+}
+
+// The same from a block format in the device layout (common/packed.h, format id `fmt`, `rows` rows
+// of `cols` values), decoded exactly as the CPU does. Thread per 16 values (half a run). Launch:
+// grid (ceil(cols / 16 / 256), tokens), block 256.
+ATLAS_KERNEL void embed_packed(const unsigned char* table, int fmt, int rows, const int* tokens, float* out, int cols) {
+    pdl_launch_dependents();
+    const int half = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (half >= cols / 16) return;
+    const long run = (long)tokens[t] * (cols / 32) + half / 2;
+    const int w0 = 2 * (half % 2);
+    float lo[8], hi[8];
+    pk_decode16_any(fmt, pk_fetch16_any(fmt, table, rows, cols, run, w0), run, lo, hi);
+    float* o = out + (long)t * cols + (half / 2) * 32 + 4 * w0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        o[i] = lo[i];
+        o[16 + i] = hi[i];
+    }
 }
 
 // splitmix64 of (seed, i): the hash behind synthetic benchmark weights (CPU twin: quant::synthetic).

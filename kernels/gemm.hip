@@ -1,15 +1,16 @@
 // Prefill GEMMs on the matrix cores:
 //   y[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]) (+ residual[t, n]),  f32 accumulation.
-// Layout: W [N, K] row-major (nn.Linear.weight): bf16 (gemm_bf16) or FP8 E4M3 codes with f32 scales
-// [ceil(N/128), ceil(K/128)] (gemm_fp8, see common/fp8.h); x [T, K] f32; y [T, N] f32; bias [N] f32
+// Layout: W [N, K] row-major (nn.Linear.weight): bf16 (gemm_bf16), FP8 E4M3 codes with f32 scales
+// [ceil(N/128), ceil(K/128)] (gemm_fp8, see common/fp8.h), or a block format in the device layout
+// of common/packed.h (gemm_packed, format id `fmt`; K % 32 == 0); x [T, K] f32; y [T, N] f32; bias [N] f32
 // or null; residual [T, N] f32 or null, and may be y itself (each element is read and then written
 // by the same thread, and y is read nowhere else). Any N, K, T >= 1.
 //
 // Launch: grid (ceil(N / GEMM_BN), ceil(T / GEMM_BM), 1) -- x over N, y over T --, block
-// GEMM_THREADS, no dynamic shared memory (static: 40 KB). Same shape for both kernels and every vendor.
+// GEMM_THREADS, no dynamic shared memory (static: 40 KB). Same shape for every kernel and vendor.
 //
 // Each block computes a 128x128 tile of y in 32-wide K steps. x (converted to bf16) and W (bf16, or
-// dequantised with its block scale) are staged in a double-buffered shared tile; the next step's
+// decoded in registers to f32 exactly as the CPU does, then rounded to bf16) are staged in a double-buffered shared tile; the next step's
 // global loads are issued into registers before the current step's products, so their latency hides
 // behind the matrix cores, and one barrier per step suffices. The block's warps split the tile 2 x
 // (warps / 2): 64x32 per warp with 32-lane warps, 64x64 with 64-lane ones; per 16-wide k slice a
@@ -18,6 +19,7 @@
 #include "common/portable.h"
 #include "common/mma.h"
 #include "common/fp8.h"
+#include "common/packed.h"
 
 #define GEMM_BM 128      // rows of x / y (tokens) per block
 #define GEMM_BN 128      // rows of W / columns of y per block
@@ -42,18 +44,24 @@ static_assert(GEMM_BM == 2 * GEMM_WM, "two warp rows");
 static_assert(GEMM_XCH >= 1 && GEMM_WCH >= 1 && GEMM_QCH >= 1, "every thread stages whole chunks");
 static_assert(FP8_BLOCK % GEMM_BN == 0 && FP8_BLOCK % GEMM_BK == 0, "one FP8 scale per block and step");
 
+#define GEMM_BF16 0
+#define GEMM_FP8 1
+#define GEMM_PACKED 2
+
 // One K step of x and W in flight in registers.
 struct gemm_stage {
     float4 x[GEMM_XCH][2];
     uint4 w[GEMM_WCH];  // FP8 uses the first GEMM_QCH
     float scale;        // FP8 block scale (times 2^120, see fp8_scale)
+    PkRaw pk;           // packed: half a run (the K step) of one row
 };
 
 // Global -> registers for the K step at k0. CHECKED: the tile may cross T, N or K (zero-filled
-// there), and K may break the vector loads' alignment.
-template <bool FP8, bool CHECKED>
-__device__ __forceinline__ void gemm_fetch(gemm_stage& s, const void* W, const float* scales, const float* x, int N,
-                                           int K, int T, int n0, int t0, int k0) {
+// there), and K may break the vector loads' alignment. Packed: thread e takes words 2(e % 2) and
+// 2(e % 2) + 1 of row e / 2's run (K % 32 == 0: a step is one run).
+template <int KIND, bool CHECKED>
+__device__ __forceinline__ void gemm_fetch(gemm_stage& s, const void* W, const float* scales, int fmt, const float* x,
+                                           int N, int K, int T, int n0, int t0, int k0) {
 #pragma unroll
     for (int i = 0; i < GEMM_XCH; i++) {
         const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = k0 + (e % (GEMM_BK / 8)) * 8;
@@ -70,7 +78,17 @@ __device__ __forceinline__ void gemm_fetch(gemm_stage& s, const void* W, const f
             s.x[i][1] = make_float4(v[4], v[5], v[6], v[7]);
         }
     }
-    if (!FP8) {
+    if (KIND == GEMM_PACKED) {
+        static_assert(GEMM_BN * 2 == GEMM_THREADS && GEMM_BK == 32, "two threads a row, one run a step");
+        const int n = n0 + threadIdx.x / 2;
+        if (!CHECKED || n < N) {
+            s.pk = pk_fetch16_any(fmt, (const unsigned char*)W, N, K, (long)n * (K / 32) + k0 / 32, 2 * (threadIdx.x % 2));
+        } else {
+            s.pk.codes = make_uint2(0u, 0u);
+            s.pk.fields = make_uint2(0u, 0u);
+            s.pk.meta = make_uint4(0u, 0u, 0u, 0u);
+        }
+    } else if (KIND == GEMM_BF16) {
 #pragma unroll
         for (int i = 0; i < GEMM_WCH; i++) {
             const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = k0 + (e % (GEMM_BK / 8)) * 8;
@@ -108,8 +126,8 @@ __device__ __forceinline__ void gemm_fetch(gemm_stage& s, const void* W, const f
 }
 
 // Registers -> shared, as bf16 rows of GEMM_LDS.
-template <bool FP8>
-__device__ __forceinline__ void gemm_stash(const gemm_stage& s, bf16* xs, bf16* ws) {
+template <int KIND>
+__device__ __forceinline__ void gemm_stash(const gemm_stage& s, int fmt, int K, int n0, int k0, bf16* xs, bf16* ws) {
 #pragma unroll
     for (int i = 0; i < GEMM_XCH; i++) {
         const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = (e % (GEMM_BK / 8)) * 8;
@@ -117,7 +135,15 @@ __device__ __forceinline__ void gemm_stash(const gemm_stage& s, bf16* xs, bf16* 
             make_uint4(bf16x2_pack(s.x[i][0].x, s.x[i][0].y), bf16x2_pack(s.x[i][0].z, s.x[i][0].w),
                        bf16x2_pack(s.x[i][1].x, s.x[i][1].y), bf16x2_pack(s.x[i][1].z, s.x[i][1].w));
     }
-    if (!FP8) {
+    if (KIND == GEMM_PACKED) {
+        const int r = threadIdx.x / 2, w0 = 2 * (threadIdx.x % 2);
+        float lo[8], hi[8];
+        pk_decode16_any(fmt, s.pk, (long)(n0 + r) * (K / 32) + k0 / 32, lo, hi);
+        *(uint4*)(ws + r * GEMM_LDS + 4 * w0) = make_uint4(bf16x2_pack(lo[0], lo[1]), bf16x2_pack(lo[2], lo[3]),
+                                                           bf16x2_pack(lo[4], lo[5]), bf16x2_pack(lo[6], lo[7]));
+        *(uint4*)(ws + r * GEMM_LDS + 16 + 4 * w0) = make_uint4(bf16x2_pack(hi[0], hi[1]), bf16x2_pack(hi[2], hi[3]),
+                                                                bf16x2_pack(hi[4], hi[5]), bf16x2_pack(hi[6], hi[7]));
+    } else if (KIND == GEMM_BF16) {
 #pragma unroll
         for (int i = 0; i < GEMM_WCH; i++) {
             const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 8), k = (e % (GEMM_BK / 8)) * 8;
@@ -157,30 +183,32 @@ __device__ __forceinline__ void gemm_step(float (&acc)[GEMM_TM][GEMM_TN][MMA_ACC
     }
 }
 
-template <bool FP8, bool CHECKED>
+template <int KIND, bool CHECKED>
 __device__ __forceinline__ void gemm_mainloop(float (&acc)[GEMM_TM][GEMM_TN][MMA_ACC], bf16* xs, bf16* ws,
-                                              const void* W, const float* scales, const float* x, int N, int K,
-                                              int T, int n0, int t0) {
+                                              const void* W, const float* scales, int fmt, const float* x, int N,
+                                              int K, int T, int n0, int t0) {
     const int warp = threadIdx.x / WARP_SIZE;
     const int wm = (warp / (GEMM_WARPS / 2)) * GEMM_WM, wn = (warp % (GEMM_WARPS / 2)) * GEMM_WN;
     const int steps = (K + GEMM_BK - 1) / GEMM_BK;
     gemm_stage s;
-    gemm_fetch<FP8, CHECKED>(s, W, scales, x, N, K, T, n0, t0, 0);
-    gemm_stash<FP8>(s, xs, ws);
+    gemm_fetch<KIND, CHECKED>(s, W, scales, fmt, x, N, K, T, n0, t0, 0);
+    gemm_stash<KIND>(s, fmt, K, n0, 0, xs, ws);
     __syncthreads();
     for (int step = 0; step < steps; step++) {
         const int cur = step & 1;
         const bool more = step + 1 < steps;
-        if (more) gemm_fetch<FP8, CHECKED>(s, W, scales, x, N, K, T, n0, t0, (step + 1) * GEMM_BK);
+        if (more) gemm_fetch<KIND, CHECKED>(s, W, scales, fmt, x, N, K, T, n0, t0, (step + 1) * GEMM_BK);
         gemm_step(acc, xs + cur * GEMM_BM * GEMM_LDS + wm * GEMM_LDS, ws + cur * GEMM_BN * GEMM_LDS + wn * GEMM_LDS);
         // The other buffer was last read in the previous step, before its closing barrier.
-        if (more) gemm_stash<FP8>(s, xs + (cur ^ 1) * GEMM_BM * GEMM_LDS, ws + (cur ^ 1) * GEMM_BN * GEMM_LDS);
+        if (more)
+            gemm_stash<KIND>(s, fmt, K, n0, (step + 1) * GEMM_BK, xs + (cur ^ 1) * GEMM_BM * GEMM_LDS,
+                             ws + (cur ^ 1) * GEMM_BN * GEMM_LDS);
         __syncthreads();
     }
 }
 
-template <bool FP8>
-__device__ __forceinline__ void gemm_body(const void* W, const float* scales, const float* x, const float* bias,
+template <int KIND>
+__device__ __forceinline__ void gemm_body(const void* W, const float* scales, int fmt, const float* x, const float* bias,
                                           const float* residual, float* y, int N, int K, int T) {
     // uint4 for 16-byte alignment (vector stores, ldmatrix rows).
     __shared__ uint4 xs_raw[2 * GEMM_BM * GEMM_LDS / 8];
@@ -204,9 +232,9 @@ __device__ __forceinline__ void gemm_body(const void* W, const float* scales, co
             for (int e = 0; e < MMA_ACC; e++) acc[i][j][e] = 0.0f;
 
     if ((K % GEMM_BK) == 0 && t0 + GEMM_BM <= T && n0 + GEMM_BN <= N)
-        gemm_mainloop<FP8, false>(acc, xs, ws, W, scales, x, N, K, T, n0, t0);
+        gemm_mainloop<KIND, false>(acc, xs, ws, W, scales, fmt, x, N, K, T, n0, t0);
     else
-        gemm_mainloop<FP8, true>(acc, xs, ws, W, scales, x, N, K, T, n0, t0);
+        gemm_mainloop<KIND, true>(acc, xs, ws, W, scales, fmt, x, N, K, T, n0, t0);
 
     const int warp = threadIdx.x / WARP_SIZE;
     const int tw = t0 + (warp / (GEMM_WARPS / 2)) * GEMM_WM, nw = n0 + (warp % (GEMM_WARPS / 2)) * GEMM_WN;
@@ -226,11 +254,17 @@ __device__ __forceinline__ void gemm_body(const void* W, const float* scales, co
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
     gemm_bf16(const bf16* W, const float* x, const float* bias, const float* residual, float* y, int N, int K, int T) {
-    gemm_body<false>(W, nullptr, x, bias, residual, y, N, K, T);
+    gemm_body<GEMM_BF16>(W, nullptr, 0, x, bias, residual, y, N, K, T);
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
     gemm_fp8(const unsigned char* W, const float* scales, const float* x, const float* bias, const float* residual,
              float* y, int N, int K, int T) {
-    gemm_body<true>(W, scales, x, bias, residual, y, N, K, T);
+    gemm_body<GEMM_FP8>(W, scales, 0, x, bias, residual, y, N, K, T);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
+    gemm_packed(const unsigned char* W, int fmt, const float* x, const float* bias, const float* residual, float* y,
+                int N, int K, int T) {
+    gemm_body<GEMM_PACKED>(W, nullptr, fmt, x, bias, residual, y, N, K, T);
 }

@@ -3,6 +3,7 @@
 // Prefill (T > GEMV_MAX_T) is in gemm.hip.
 #include "common/portable.h"
 #include "common/fp8.h"
+#include "common/packed.h"
 
 #define GEMV_MAX_T 8
 
@@ -219,10 +220,10 @@ struct Fp8Rows {
 };
 
 // The block's input as f16 in shared memory, four values per uint2: x (times norm_w when given)
-// times 2^-FP8_X_SHIFT, zero up to ceil(K / 128) * 128 columns. *scale gets the factor the dot
+// times 2^-FP8_X_SHIFT, zero up to a whole number of `pad` columns. *scale gets the factor the dot
 // products need: 2^FP8_X_SHIFT, times rsqrt(mean(x^2) + eps) when norm_w is given (one pass over x
 // computes both). Every thread of the block must call it (it synchronises). K % 4 == 0.
-__device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const float* norm_w, float eps, int K,
+__device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const float* norm_w, float eps, int K, int pad,
                                                        float* scale) {
     extern __shared__ __attribute__((aligned(16))) uint2 fp8_x[];
     __shared__ float scratch[32];
@@ -234,7 +235,7 @@ __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const flo
     const float ss = stage_input4(x, norm_w, K, [&](int i, float4 v) {
         fp8_x[i] = make_uint2(f16x2_pack(f16_range(v.x), f16_range(v.y)), f16x2_pack(f16_range(v.z), f16_range(v.w)));
     });
-    const int padded = (K + FP8_BLOCK - 1) / FP8_BLOCK * FP8_BLOCK;
+    const int padded = (K + pad - 1) / pad * pad;
     for (int i = K / 4 + threadIdx.x; i < padded / 4; i += blockDim.x) fp8_x[i] = make_uint2(0, 0);
     *scale = 1 << FP8_X_SHIFT;
     if (norm_w) *scale *= rsqrtf(block_sum(ss, scratch) / K + eps);  // its barriers publish fp8_x too
@@ -278,7 +279,7 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     next.fetch(tiles, unit + FP8_UNITS, kblocks, chunks, t);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
     float scale;
-    const uint4* xs = fp8_gemv_input(x, norm_w, eps, K, &scale);
+    const uint4* xs = fp8_gemv_input(x, norm_w, eps, K, FP8_BLOCK, &scale);
 
     float acc[TILES][2] = {};
     auto consume = [&](const Fp8Stage<TILES>& st, int kb) {
@@ -378,6 +379,270 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const
     const float gv = gu[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] + (up_bias ? up_bias[n] : 0.0f);
     out[n] = gv / (1.0f + expf(-gv)) * uv;
 }
+
+// Block formats in the device layout (common/packed.h) on matrix cores, shaped as the FP8 kernels:
+// a block takes 16 output rows as TILES tiles; its PK_UNITS units of 32 lanes share the 256-column
+// steps of K (unit u takes steps u, u + PK_UNITS, ...); in a step, lane (g, t) takes runs t and
+// t + 4 (32 values each) of rows g and g + 8, the next step's in flight meanwhile. Each word of
+// codes gives, per row, two f16 pairs of lower values and two of upper ones, scaled in f16
+// (s · level − o: one rounding of the exact product), and two m16n8k16 mma take them with their
+// inputs; elsewhere each lane sums its own values in f32 (decoded as the CPU does). The input is
+// staged as f16 like FP8's, padded to whole steps: dynamic shared memory ceil(K / 256) * 512 bytes.
+// The callers multiply by NVFP4's tensor factor. Launch: grid ceil(output rows / 16), block
+// PK_UNITS * 32. Needs K % 256 == 0 for the k-quants, K % 32 == 0 for the others.
+#define PK_UNITS 8
+#define PK_STEP 256
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define PK_MMA 1
+#endif
+
+// The high-bit fields of a run's four words, one per component.
+template <int F>
+__device__ __forceinline__ uint4 pk_fields(const unsigned char* high, long run) {
+    constexpr int HB = PkTraits<F>::HB;
+    if (HB == 4) return *(const uint4*)(high + run * 16);
+    if (HB == 2) {
+        const uint2 v = *(const uint2*)(high + run * 8);
+        return make_uint4(v.x & 0xffffu, v.x >> 16, v.y & 0xffffu, v.y >> 16);
+    }
+    if (HB == 1) {
+        const unsigned int v = *(const unsigned int*)(high + run * 4);
+        return make_uint4(v & 0xffu, (v >> 8) & 0xffu, (v >> 16) & 0xffu, v >> 24);
+    }
+    return make_uint4(0u, 0u, 0u, 0u);
+}
+
+// A lane's two rows of one tile (g and g + 8, which may lie in different matrices): each row's
+// planes and first run.
+template <int F>
+struct PkRows {
+    PkPlanes p[2];
+    long run0[2];
+    __device__ __forceinline__ void set(int h, const unsigned char* w, long rows, int K, int n) {
+        p[h] = pk_planes<F>(w, rows, K);
+        run0[h] = (long)n * (K / 32);
+    }
+};
+
+// Runs t and t + 4 of one step for each tile's two rows: codes, high-bit fields, meta words.
+template <int F, int TILES>
+struct PkStage {
+    uint4 codes[TILES][2][2];  // [tile][row g, g + 8][run t, t + 4]
+    uint4 fields[TILES][2][2];
+    uint4 meta[TILES][2][2];
+    __device__ __forceinline__ void fetch(const PkRows<F> (&tiles)[TILES], int step, int steps, int runs, int t) {
+#pragma unroll
+        for (int i = 0; i < TILES; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int r = step * 8 + j * 4 + t;
+                    const bool in = step < steps && r < runs;
+                    const long run = tiles[i].run0[h] + (in ? r : 0);
+                    codes[i][h][j] = in ? *(const uint4*)(tiles[i].p[h].codes + run * 16) : make_uint4(0u, 0u, 0u, 0u);
+                    fields[i][h][j] = in ? pk_fields<F>(tiles[i].p[h].high, run) : make_uint4(0u, 0u, 0u, 0u);
+                    // A k-quant step is one meta group: both runs share it.
+                    if (j == 0 || PkTraits<F>::MRUNS == 1)
+                        meta[i][h][j] = in ? pk_meta<F>(tiles[i].p[h].meta, run) : make_uint4(0u, 0u, 0u, 0u);
+                    else
+                        meta[i][h][j] = meta[i][h][0];
+                }
+    }
+};
+
+__device__ __forceinline__ unsigned int pk_word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+
+#ifdef PK_MMA
+// Biased levels (four bytes) to two f16 pairs of s · level − o.
+__device__ __forceinline__ void pk_scaled_pairs(unsigned int levels, unsigned int s2, unsigned int no2, unsigned int* out) {
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const unsigned int h = __byte_perm(levels, 0x64646464u, p ? 0x4342 : 0x4140);  // 1024 + biased level
+        unsigned int l;
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(l) : "r"(h), "r"(0x64806480u));            // exact level
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out[p]) : "r"(l), "r"(s2), "r"(no2));
+    }
+}
+#endif
+
+// out[i]: row threadIdx.x (0-15) of tile i times the input (valid in threads 0-15 after the call).
+template <int F, int TILES>
+__device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], const float* x, const float* norm_w, float eps,
+                                            int K, float (&out)[TILES]) {
+    __shared__ float sums[PK_UNITS][TILES][16];
+    const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int runs = K / 32, steps = (runs + 7) / 8;
+    const uint4 table = pk_table<F>();
+    PkStage<F, TILES> cur, next;
+    pdl_launch_dependents();
+    cur.fetch(tiles, unit, steps, runs, t);
+    next.fetch(tiles, unit + PK_UNITS, steps, runs, t);
+    pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
+    float scale;
+    const uint2* xs = (const uint2*)fp8_gemv_input(x, norm_w, eps, K, PK_STEP, &scale);
+
+    float acc[TILES][4] = {};
+    auto consume = [&](const PkStage<F, TILES>& st, int step) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int r = step * 8 + j * 4 + t;  // run within the row
+#pragma unroll
+            for (int i = 0; i < TILES; i++) {
+                PkScales sc[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) sc[h] = pk_scales<F>(st.meta[i][h][j], (int)((tiles[i].run0[h] + r) % PkTraits<F>::MRUNS));
+#ifdef PK_MMA
+                unsigned int s_lo[2], o_lo[2], s_hi[2], o_hi[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    s_lo[h] = f16x2_pack(sc[h].s_lo, sc[h].s_lo);
+                    o_lo[h] = f16x2_pack(-sc[h].o_lo, -sc[h].o_lo);
+                    s_hi[h] = f16x2_pack(sc[h].s_hi, sc[h].s_hi);
+                    o_hi[h] = f16x2_pack(-sc[h].o_hi, -sc[h].o_hi);
+                }
+#endif
+#pragma unroll
+                for (int w = 0; w < 4; w++) {
+                    const uint2 xl = xs[r * 8 + w], xh = xs[r * 8 + 4 + w];  // inputs 4w.. and 16 + 4w..
+                    unsigned int lo[2], hi[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const unsigned int c = pk_word(st.codes[i][h][j], w), f = pk_word(st.fields[i][h][j], w);
+                        lo[h] = pk_levels<F>(c, f, false, table);
+                        hi[h] = pk_levels<F>(c, f, true, table);
+                    }
+#ifdef PK_MMA
+                    unsigned int a[2][2], b[2][2];  // [row g, g + 8][pair]
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        pk_scaled_pairs(lo[h], s_lo[h], o_lo[h], a[h]);
+                        pk_scaled_pairs(hi[h], s_hi[h], o_hi[h], b[h]);
+                    }
+                    f16_rows_mma(acc[i], a[0][0], a[1][0], a[0][1], a[1][1], xl.x, xl.y);
+                    f16_rows_mma(acc[i], b[0][0], b[1][0], b[0][1], b[1][1], xh.x, xh.y);
+#else
+                    const float xlv[4] = {f16_to_f32(xl.x & 0xffffu), f16_to_f32(xl.x >> 16), f16_to_f32(xl.y & 0xffffu), f16_to_f32(xl.y >> 16)};
+                    const float xhv[4] = {f16_to_f32(xh.x & 0xffffu), f16_to_f32(xh.x >> 16), f16_to_f32(xh.y & 0xffffu), f16_to_f32(xh.y >> 16)};
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            const float vl = sc[h].s_lo * (float)((int)((lo[h] >> (8 * k)) & 0xffu) - 128) - sc[h].o_lo;
+                            const float vh = sc[h].s_hi * (float)((int)((hi[h] >> (8 * k)) & 0xffu) - 128) - sc[h].o_hi;
+                            acc[i][2 * h] += vl * xlv[k] + vh * xhv[k];
+                        }
+#endif
+                }
+            }
+        }
+    };
+    for (int step = unit; step < steps; step += 2 * PK_UNITS) {
+        consume(cur, step);
+        cur.fetch(tiles, step + 2 * PK_UNITS, steps, runs, t);
+        if (step + PK_UNITS >= steps) break;
+        consume(next, step + PK_UNITS);
+        next.fetch(tiles, step + 3 * PK_UNITS, steps, runs, t);
+    }
+#pragma unroll
+    for (int i = 0; i < TILES; i++) {
+        const float row_g = fp8_quad_total(acc[i][0]), row_g8 = fp8_quad_total(acc[i][2]);
+        if (t == 0) {
+            sums[unit][i][g] = row_g;
+            sums[unit][i][g + 8] = row_g8;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x >= 16) return;
+#pragma unroll
+    for (int i = 0; i < TILES; i++) {
+        float total = 0.0f;
+        for (int u = 0; u < PK_UNITS; u++) total += sums[u][i][threadIdx.x];
+        out[i] = total * scale;
+    }
+}
+
+// As gemv1_fp8 (up to four projections of one input, the residual added to the first) over
+// packed weights; the scale pointers are unused.
+template <int F>
+__device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                                             const unsigned char* w3, const float* b0, const float* b1, const float* b2,
+                                             const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
+                                             int n2, int n3, const float* x, const float* norm_w, float eps,
+                                             const float* residual, int K) {
+    const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
+    auto locate = [&](int r, int& seg, int& n) {
+        gemv1_segment(blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0, n0, n1, n2, seg, n);
+    };
+    PkRows<F> tile[1];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int seg, n;
+        locate(lane / 4 + 8 * h, seg, n);
+        tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, n0, n1, n2, n3), K, n);
+    }
+    float out[1];
+    pk_rows_dot<F, 1>(tile, x, norm_w, eps, K, out);
+    if (threadIdx.x >= 16 || blockIdx.x * 16 + threadIdx.x >= total) return;
+    int sg, row;
+    locate(threadIdx.x, sg, row);
+    const float* bias = gemv1_pick(sg, b0, b1, b2, b3);
+    float* y = gemv1_pick(sg, y0, y1, y2, y3);
+    const int rows = gemv1_pick(sg, n0, n1, n2, n3);
+    const float factor = pk_factor<F>(pk_planes<F>(gemv1_pick(sg, w0, w1, w2, w3), rows, K), rows, K);
+    y[row] = out[0] * factor + (bias ? bias[row] : 0.0f) + (sg == 0 && residual ? residual[row] : 0.0f);
+}
+
+// As gemv1_gate_up_fp8 over packed weights.
+template <int F>
+__device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, const unsigned char* u, const float* gate_bias,
+                                                     const float* up_bias, const float* x, const float* norm_w, float eps,
+                                                     float* out, int N, int K) {
+    const int lane = threadIdx.x % 32;
+    PkRows<F> tiles[2];
+    const int ng = blockIdx.x * 16 + lane / 4 < N ? blockIdx.x * 16 + lane / 4 : 0;
+    const int ng8 = blockIdx.x * 16 + lane / 4 + 8 < N ? blockIdx.x * 16 + lane / 4 + 8 : 0;
+    tiles[0].set(0, g, N, K, ng);
+    tiles[0].set(1, g, N, K, ng8);
+    tiles[1].set(0, u, N, K, ng);
+    tiles[1].set(1, u, N, K, ng8);
+    float gu[2];
+    pk_rows_dot<F, 2>(tiles, x, norm_w, eps, K, gu);
+    const int n = blockIdx.x * 16 + threadIdx.x;
+    if (threadIdx.x >= 16 || n >= N) return;
+    const float fg = pk_factor<F>(tiles[0].p[0], N, K), fu = pk_factor<F>(tiles[1].p[0], N, K);
+    const float gv = gu[0] * fg + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] * fu + (up_bias ? up_bias[n] : 0.0f);
+    out[n] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+// The kernels of one format: gemv1_<name> and gemv1_gate_up_<name>, with gemv1_fp8's and
+// gemv1_gate_up_fp8's signatures (scale pointers unused).
+#define PK_GEMV_KERNELS(name, F)                                                                                       \
+    ATLAS_KERNEL void gemv1_##name(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,           \
+                                   const unsigned char* w3, const float*, const float*, const float*, const float*,     \
+                                   const float* b0, const float* b1, const float* b2, const float* b3, float* y0,      \
+                                   float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,    \
+                                   const float* norm_w, float eps, const float* residual, int K) {                     \
+        gemv1_packed<F>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K);   \
+    }                                                                                                                  \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                            \
+        gemv1_gate_up_##name(const unsigned char* g, const unsigned char* u, const float*, const float*,               \
+                             const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,        \
+                             float eps, float* out, int N, int K) {                                                    \
+        gemv1_gate_up_packed<F>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K);                                  \
+    }
+PK_GEMV_KERNELS(q8_0, PK_Q8_0)
+PK_GEMV_KERNELS(q4_0, PK_Q4_0)
+PK_GEMV_KERNELS(q4_1, PK_Q4_1)
+PK_GEMV_KERNELS(q4_k, PK_Q4_K)
+PK_GEMV_KERNELS(q5_k, PK_Q5_K)
+PK_GEMV_KERNELS(q6_k, PK_Q6_K)
+PK_GEMV_KERNELS(iq4_nl, PK_IQ4_NL)
+PK_GEMV_KERNELS(iq4_xs, PK_IQ4_XS)
+PK_GEMV_KERNELS(mxfp4, PK_MXFP4)
+PK_GEMV_KERNELS(nvfp4, PK_NVFP4)
+PK_GEMV_KERNELS(rocmfp4, PK_ROCMFP4)
+PK_GEMV_KERNELS(rocmfp4_fast, PK_ROCMFP4_FAST)
 
 // Decode, a few tokens (T <= GEMV_MAX_T): each W row read once for all T tokens; `residual` (may be
 // y) is added. Launch: grid ceil(N / warps_per_block), block 256. Needs K % 8 == 0.

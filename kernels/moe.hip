@@ -339,9 +339,9 @@ __device__ __forceinline__ void moe_gemm_body(const void* W, const float* scales
             for (int v = 0; v < MMA_ACC; v++) acc[i][j][v] = 0.0f;
 
     if ((K % GEMM_BK) == 0 && t0 + GEMM_BM <= T && n0 + GEMM_BN <= N)
-        gemm_mainloop<FP8, false>(acc, xs, ws, We, Se, xe, N, K, T, n0, t0);
+        gemm_mainloop<FP8 ? GEMM_FP8 : GEMM_BF16, false>(acc, xs, ws, We, Se, 0, xe, N, K, T, n0, t0);
     else
-        gemm_mainloop<FP8, true>(acc, xs, ws, We, Se, xe, N, K, T, n0, t0);
+        gemm_mainloop<FP8 ? GEMM_FP8 : GEMM_BF16, true>(acc, xs, ws, We, Se, 0, xe, N, K, T, n0, t0);
 
     const int warp = threadIdx.x / WARP_SIZE;
     const int tw = t0 + (warp / (GEMM_WARPS / 2)) * GEMM_WM, nw = n0 + (warp % (GEMM_WARPS / 2)) * GEMM_WN;

@@ -1219,3 +1219,162 @@ fn moe_fixture_models_match_the_golden_and_the_cpu() {
         assert!(err < 2e-2, "{name}: replayed decode step, relative error {err}");
     }
 }
+
+use atlas::quant::{GgmlFormat, GgmlMatrix};
+
+/// A random matrix of a block format (None: NVFP4 as safetensors hold it), and its dequantised
+/// values rounded to bf16, as a dense matrix (what the widened path uploaded before).
+fn block_matrix(format: Option<GgmlFormat>, rows: usize, cols: usize, seed: u64) -> (Box<dyn QuantMatrix>, DenseMatrix) {
+    let m: Box<dyn QuantMatrix> = match format {
+        Some(f) => {
+            let blocks = atlas::quant::synthetic::random_ggml_blocks(f, rows * cols / f.block_size(), seed);
+            Box::new(GgmlMatrix::new(f, rows, cols, blocks).unwrap())
+        }
+        None => {
+            let mut rng = Rng::new(seed);
+            let codes = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
+            let scales = (0..rows * cols / 16).map(|_| 0x20 + (rng.next_u64() % 0x28) as u8).collect();
+            Box::new(atlas::quant::fp4::Nvfp4Matrix::new(rows, cols, codes, scales, 0.013).unwrap())
+        }
+    };
+    let mut row = vec![0f32; cols];
+    let mut wide = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        m.dequant_row(r, &mut row);
+        wide.extend(row.iter().map(|v| half::bf16::from_f32(*v)));
+    }
+    (m, DenseMatrix::new(rows, cols, DenseData::BF16(wide)))
+}
+
+fn block_matrix_twice(format: Option<GgmlFormat>, rows: usize, cols: usize, seed: u64) -> (Box<dyn QuantMatrix>, Box<dyn QuantMatrix>) {
+    (block_matrix(format, rows, cols, seed).0, block_matrix(format, rows, cols, seed).0)
+}
+
+#[test]
+fn block_formats_stay_packed_and_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(12);
+    let formats: Vec<Option<GgmlFormat>> = GgmlFormat::ALL.iter().copied().map(Some).chain([None]).collect();
+    for (i, format) in formats.into_iter().enumerate() {
+        let name = format.map_or("nvfp4 (safetensors)".to_string(), |f| f.to_string());
+        let seed = 100 + i as u64;
+        // Embedding rows: decoded on the device exactly as on the CPU.
+        let (table, _) = block_matrix(format, 40, 512, seed);
+        let tokens = [0u32, 39, 7, 7, 21];
+        let want = c.embed(&table, &tokens).unwrap();
+        let bytes = table.storage_bytes();
+        let gt = g.upload_weight(table).unwrap();
+        assert!(format!("{:?}", gt).contains("Packed"), "{name}: kept packed on the device");
+        assert!(gt.device_bytes() <= bytes + 4, "{name}: {} bytes on the device for {bytes} in the file", gt.device_bytes());
+        check(&g, &g.embed(&gt, &tokens).unwrap(), &want, 0.0, &format!("embed {name}"));
+
+        // One-token products on the matrix cores: weights and inputs meet as f16.
+        for (n, k) in [(48, 512), (20, 1536), (3, 256)] {
+            let (cw, gw) = block_matrix_twice(format, n, k, seed + n as u64);
+            let gw = g.upload_weight(gw).unwrap();
+            let x = pair(&g, 1, k, random(&mut rng, k, 1.0));
+            let bias = pair(&g, 1, n, random(&mut rng, n, 0.5));
+            let want = c.linear(&x.cpu, &cw, Some(&bias.cpu)).unwrap();
+            check(&g, &g.linear(&x.gpu, &gw, Some(&bias.gpu)).unwrap(), &want, 4e-3, &format!("gemv {name} N={n} K={k}"));
+            let mut res = pair(&g, 1, n, random(&mut rng, n, 1.0));
+            g.linear_add(&x.gpu, &gw, None, &mut res.gpu).unwrap();
+            c.add_assign(&mut res.cpu, &c.linear(&x.cpu, &cw, None).unwrap()).unwrap();
+            check(&g, &res.gpu, &res.cpu, 4e-3, &format!("gemv {name} + residual"));
+        }
+
+        // The norm fused into several projections (rows of one tile in different matrices) and
+        // into the gated MLP's first half.
+        let k = 768;
+        let x = pair(&g, 1, k, random(&mut rng, k, 2.0));
+        let norm = pair(&g, 1, k, random(&mut rng, k, 1.5));
+        let ws: Vec<_> = [40, 24, 5, 3]
+            .iter()
+            .map(|&rows| {
+                let (cw, gw) = block_matrix_twice(format, rows, k, seed + 7 * rows as u64);
+                (cw, g.upload_weight(gw).unwrap())
+            })
+            .collect();
+        let cp = |i: usize| Proj::<CpuBackend> { weight: &ws[i].0, bias: None };
+        let gp = |i: usize| Proj::<GpuBackend> { weight: &ws[i].1, bias: None };
+        let want = c.norm_linears(&x.cpu, &norm.cpu, 1e-6, [cp(0), cp(1), cp(2), cp(3)]).unwrap();
+        let got = g.norm_linears(&x.gpu, &norm.gpu, 1e-6, [gp(0), gp(1), gp(2), gp(3)]).unwrap();
+        for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+            check(&g, a, b, 4e-3, &format!("norm_linears[{j}] {name}"));
+        }
+        let (gate, up) = (block_matrix_twice(format, 72, k, seed + 1), block_matrix_twice(format, 72, k, seed + 2));
+        let (ggate, gup) = (g.upload_weight(gate.1).unwrap(), g.upload_weight(up.1).unwrap());
+        let want = c.norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, Proj { weight: &gate.0, bias: None }, Proj { weight: &up.0, bias: None }).unwrap();
+        let got = g.norm_silu_gate_up(&x.gpu, &norm.gpu, 1e-6, Proj { weight: &ggate, bias: None }, Proj { weight: &gup, bias: None }).unwrap();
+        check(&g, &got, &want, 4e-3, &format!("norm_silu_gate_up {name}"));
+
+        // Prefill: the GEMM decodes each step's run in registers to the bf16 the widened path
+        // uploaded, so it gives the widened GEMM's bits exactly.
+        for (t, n, k) in [(5, 130, 512), (131, 256, 1024)] {
+            let (m, wide) = block_matrix(format, n, k, seed + 3);
+            let (gp, gw) = (g.upload_weight(m).unwrap(), g.upload_weight(Box::new(wide)).unwrap());
+            let x = g.upload_f32(t, k, &random(&mut rng, t * k, 1.0)).unwrap();
+            let (a, b) = (g.linear(&x, &gp, None).unwrap(), g.linear(&x, &gw, None).unwrap());
+            assert_eq!(g.to_host(&a).unwrap(), g.to_host(&b).unwrap(), "gemm {name} T={t} N={n} K={k}: packed and widened differ");
+        }
+    }
+}
+
+/// Greedy tokens and prompt logits of a model on the CPU and the GPU.
+fn cpu_and_gpu_greedy(path: &std::path::Path, prompt: &[u32]) -> ((Vec<u32>, Vec<f32>), (Vec<u32>, Vec<f32>), String) {
+    let run = |device| {
+        let mut e = Engine::load(&EngineOptions { device, ctx_size: Some(128), ..EngineOptions::new(path) }, &mut |_| {}).unwrap();
+        let logits = e.logits(prompt).unwrap();
+        let req = GenerateRequest {
+            prompt: prompt.to_vec(),
+            max_tokens: Some(16),
+            sampling: Default::default(),
+            stop: vec![],
+            ignore_eos: true,
+            grammar: None,
+            logprobs: None,
+        };
+        let tokens = e.generate_raw(&req).unwrap().tokens;
+        (tokens, logits, e.report().device.clone())
+    };
+    let (ct, cl, _) = run(Device::Cpu);
+    let (gt, gl, device) = run(Device::Cuda);
+    ((ct, cl), (gt, gl), device)
+}
+
+#[test]
+fn quantized_fixture_models_decode_alike_on_cpu_and_gpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let prompt: Vec<u32> = (0..24u32).map(|i| (i * 37 + 11) % 250).collect();
+    let scratch = |name: &str| std::env::temp_dir().join(format!("atlas-gpu-quant-{}-{name}", std::process::id()));
+    let mut cases: Vec<(String, PathBuf)> = Vec::new();
+    // The fixtures are 64 wide: whole runs of 32, not whole k-quant super-blocks (Q4_K_M falls
+    // back to Q8_0 there; the k-quant kernels are checked on random blocks above).
+    for base in ["qwen3_5_tiny.gguf", "qwen3_moe_tiny.gguf"] {
+        for target in ["Q8_0", "Q4_0", "q4_0_rocmfp4", "q4_0_rocmfp4_fast"] {
+            let out = scratch(&format!("{target}-{base}"));
+            atlas::quantize::quantize_gguf(&fixture(base), &out, atlas::quantize::parse_target(target).unwrap(), &mut |_, _, _| {}).unwrap();
+            cases.push((format!("{base} {target}"), out));
+        }
+    }
+    let nvfp4 = scratch("nvfp4");
+    atlas::quantize::quantize_nvfp4(&fixture("chat_tiny"), &nvfp4, &mut |_, _, _| {}).unwrap();
+    cases.push(("chat_tiny NVFP4".into(), nvfp4));
+    for (name, path) in &cases {
+        let ((ct, cl), (gt, gl), device) = cpu_and_gpu_greedy(path, &prompt);
+        assert!(device.starts_with("cuda"), "{device}");
+        let err = relative_error(&gl, &cl);
+        println!("{name}: GPU vs CPU prompt logits relative error {err:.2e}; greedy {gt:?}");
+        assert!(err < 2e-2, "{name}: relative error {err}");
+        assert_eq!(gt, ct, "{name}: greedy tokens differ between CPU and GPU");
+    }
+    for (_, path) in cases {
+        if path.is_dir() {
+            std::fs::remove_dir_all(path).unwrap();
+        } else {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+}

@@ -50,13 +50,19 @@ __device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned int pair) {
 #endif
     return r;
 }
-__device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsigned int wg8, unsigned int x01,
-                                             unsigned int x23) {
-    const unsigned int a0 = e4m3x2_to_f16x2(wg & 0xffffu), a1 = e4m3x2_to_f16x2(wg8 & 0xffffu);
-    const unsigned int a2 = e4m3x2_to_f16x2(wg >> 16), a3 = e4m3x2_to_f16x2(wg8 >> 16);
+// One m16n8k16 f16 mma (f32 accumulation) over f16 weight pairs: a0 and a2 of row g (columns 2t, 2t + 1
+// and 2t + 8, 2t + 9 of the quad's 16), a1 and a3 of row g + 8; x01, x23 their inputs. Row g's
+// products go to acc[0], row g + 8's to acc[2].
+__device__ __forceinline__ void f16_rows_mma(float* acc, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                                             unsigned int x01, unsigned int x23) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(x01), "r"(x23));
+}
+__device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsigned int wg8, unsigned int x01,
+                                             unsigned int x23) {
+    f16_rows_mma(acc, e4m3x2_to_f16x2(wg & 0xffffu), e4m3x2_to_f16x2(wg8 & 0xffffu), e4m3x2_to_f16x2(wg >> 16),
+                 e4m3x2_to_f16x2(wg8 >> 16), x01, x23);
 }
 __device__ __forceinline__ float fp8_quad_total(float v) { return v; }
 #else

@@ -21,7 +21,7 @@
 
 use super::fp4::{Nvfp4Matrix, CODEBOOK10, E2M1_DOUBLED};
 use super::ggml::{scale_min_k4, IQ4_LEVELS};
-use super::{DType, GgmlFormat, QuantMatrix};
+use super::{GgmlFormat, QuantMatrix};
 use crate::{Error, Result};
 
 /// Values per run.
@@ -387,10 +387,6 @@ pub fn pack(w: &dyn QuantMatrix, rows: Option<&[usize]>) -> Option<Result<Packed
     None
 }
 
-/// Whether `pack` takes this dtype at all.
-pub fn is_packed_dtype(d: DType) -> bool {
-    GgmlFormat::from_dtype(d).is_some()
-}
 
 #[cfg(test)]
 mod tests {

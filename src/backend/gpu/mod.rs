@@ -19,7 +19,7 @@ use self::runtime::{Arg, Runtime};
 use super::{AttentionShape, Backend, Capability, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
 use crate::sampling::{Adjustment, LogPartition, MAX_DEVICE_TOP_K};
-use crate::quant::{DType, QuantMatrix};
+use crate::quant::{packed, DType, GgmlFormat, QuantMatrix};
 use crate::{Error, Result};
 
 /// A device allocation, freed when dropped; or a slice of the recording arena, which is not.
@@ -53,7 +53,8 @@ pub struct GpuTensor {
     pub cols: usize,
 }
 
-/// A weight matrix `[rows, cols]` on the device, in bf16 or kept in FP8 block-scaled form.
+/// A weight matrix `[rows, cols]` on the device: bf16, FP8 block-scaled, or a block format in the
+/// device layout of `quant::packed` (the file's bytes rearranged, never widened).
 pub struct GpuWeight {
     buf: DeviceBuffer,
     rows: usize,
@@ -65,13 +66,57 @@ enum WeightFormat {
     Bf16,
     /// E4M3 codes in `buf`, f32 scales `[ceil(rows/128), ceil(cols/128)]` here.
     Fp8 { scales: DeviceBuffer },
+    /// Codes, high bits and meta planes in `buf` (kernels/common/packed.h).
+    Packed(GgmlFormat),
+}
+
+/// The id of a block format in the kernels (kernels/common/packed.h: GgmlFormat::ALL's order) and
+/// the suffix of its one-token kernels.
+fn packed_kernel(format: GgmlFormat) -> (i32, &'static str) {
+    let id = GgmlFormat::ALL.iter().position(|&f| f == format).unwrap_or(0) as i32;
+    let name = match format {
+        GgmlFormat::Q8_0 => "q8_0",
+        GgmlFormat::Q4_0 => "q4_0",
+        GgmlFormat::Q4_1 => "q4_1",
+        GgmlFormat::Q4_K => "q4_k",
+        GgmlFormat::Q5_K => "q5_k",
+        GgmlFormat::Q6_K => "q6_k",
+        GgmlFormat::IQ4_NL => "iq4_nl",
+        GgmlFormat::IQ4_XS => "iq4_xs",
+        GgmlFormat::MXFP4 => "mxfp4",
+        GgmlFormat::NVFP4 => "nvfp4",
+        GgmlFormat::ROCMFP4 => "rocmfp4",
+        GgmlFormat::ROCMFP4_FAST => "rocmfp4_fast",
+    };
+    (id, name)
+}
+
+impl std::fmt::Debug for GpuWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let format = match self.format {
+            WeightFormat::Bf16 => "Bf16".to_string(),
+            WeightFormat::Fp8 { .. } => "Fp8".to_string(),
+            WeightFormat::Packed(g) => format!("Packed({g})"),
+        };
+        write!(f, "GpuWeight [{}, {}] {format}", self.rows, self.cols)
+    }
 }
 
 impl GpuWeight {
+    /// Bytes the weight takes on the device.
+    pub fn device_bytes(&self) -> usize {
+        let (rows, cols) = (self.rows, self.cols);
+        match self.format {
+            WeightFormat::Bf16 => rows * cols * 2,
+            WeightFormat::Fp8 { .. } => rows * cols + rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK) * 4,
+            WeightFormat::Packed(f) => packed::plane_offsets(f, rows, cols).map_or(0, |p| p.2),
+        }
+    }
+
     fn scales(&self) -> u64 {
         match &self.format {
-            WeightFormat::Bf16 => 0,
             WeightFormat::Fp8 { scales } => scales.ptr,
+            WeightFormat::Bf16 | WeightFormat::Packed(_) => 0,
         }
     }
 
@@ -79,14 +124,24 @@ impl GpuWeight {
         matches!(self.format, WeightFormat::Fp8 { .. })
     }
 
-    /// Kernel name for this format: `{stem}_bf16` or `{stem}_fp8`.
+    fn is_bf16(&self) -> bool {
+        matches!(self.format, WeightFormat::Bf16)
+    }
+
+    /// Kernel name for this format: `{stem}_bf16`, `{stem}_fp8` or `{stem}_q4_k` (and so on).
     fn kernel(&self, stem: &str) -> String {
-        format!("{stem}_{}", if self.is_fp8() { "fp8" } else { "bf16" })
+        let suffix = match self.format {
+            WeightFormat::Bf16 => "bf16",
+            WeightFormat::Fp8 { .. } => "fp8",
+            WeightFormat::Packed(f) => packed_kernel(f).1,
+        };
+        format!("{stem}_{suffix}")
     }
 
     /// The one-token kernels' launch for `rows` outputs over this weight format: grid, block and
     /// dynamic shared memory. bf16 stages the normalised input as f32 (kernels/linear.hip's gemv1),
-    /// fp8 always stages it as f16 in whole 128-column blocks (fp8_rows_dot).
+    /// fp8 always stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in
+    /// whole 256-column steps (pk_rows_dot).
     fn gemv1_launch(&self, rows: usize, normed: bool, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
@@ -97,17 +152,23 @@ impl GpuWeight {
                 let shared = self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
             }
+            WeightFormat::Packed(_) => {
+                let shared = self.cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2;
+                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
+            }
         }
     }
 
-    /// Whether the one-token kernels take it: whole 16-byte chunks per row, and a staged input
-    /// that fits the shared memory (`max_shared` bytes per block).
+    /// Whether the one-token kernels take it: whole 16-byte chunks per row (whole runs for packed
+    /// formats, which every packed matrix has), and a staged input that fits the shared memory
+    /// (`max_shared` bytes per block).
     fn gemv1_fits(&self, normed: bool, max_shared: u32) -> bool {
         match self.format {
             WeightFormat::Bf16 => self.cols % 8 == 0 && (!normed || self.cols <= GEMV_MAX_STAGED),
             WeightFormat::Fp8 { .. } => {
                 self.cols % 16 == 0 && self.gemv1_launch(1, normed, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared
             }
+            WeightFormat::Packed(_) => self.gemv1_launch(1, normed, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
         }
     }
 }
@@ -178,6 +239,8 @@ const GEMV_MAX_STAGED: usize = 12_224;
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
 const FP8_GEMV_STATIC_SHARED: u32 = 1_300;
+/// Columns per step of the packed one-token kernels (PK_STEP).
+const PACKED_STEP: usize = 256;
 /// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.
 const ATTENTION_CHUNK: usize = 256;
 const ATTENTION_MAX_SPLITS: usize = 128;
@@ -346,7 +409,12 @@ impl GpuBackend {
         }
         let common = [Arg::Ptr(x.buf.ptr), Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)), Arg::Ptr(residual.unwrap_or(0)), Arg::Ptr(y)];
         let sizes = [Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32)];
-        if t <= GEMV_MAX_T && !w.is_fp8() && k % 8 == 0 {
+        if let WeightFormat::Packed(format) = w.format {
+            let args = [Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0)].into_iter().chain(common).chain(sizes);
+            let grid = [blocks(n, GEMM_BN as u32), blocks(t, GEMM_BM as u32), 1];
+            return self.rt.launch("gemm_packed", grid, [GEMM_THREADS, 1, 1], 0, &args.collect::<Vec<_>>());
+        }
+        if t <= GEMV_MAX_T && w.is_bf16() && k % 8 == 0 {
             let args: Vec<Arg> = [Arg::Ptr(w.buf.ptr)].into_iter().chain(common).chain(sizes).collect();
             let grid = [blocks(n, BLOCK / self.rt.warp_size()), 1, 1];
             return self.rt.launch("gemv_bf16", grid, [BLOCK, 1, 1], 0, &args);
@@ -738,6 +806,13 @@ impl Backend for GpuBackend {
             self.rt.launch("fill_random_bf16", grid, [BLOCK, 1, 1], 0, &args)?;
             return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Bf16 });
         }
+        // Block formats keep their bytes, rearranged into the layout the kernels read.
+        if let Some(packed) = packed::pack(w.as_ref(), None) {
+            let packed = packed?;
+            let buf = DeviceBuffer::new(&self.rt, packed.bytes.len())?;
+            self.rt.upload(buf.ptr, &packed.bytes)?;
+            return Ok(GpuWeight { buf, rows, cols, format: WeightFormat::Packed(packed.format) });
+        }
         // Every other format is widened on the host (in parallel) and stored as bf16.
         let buf = DeviceBuffer::new(&self.rt, byte_size(&what, &[rows, cols, 2])?)?;
         self.upload_widened(w.as_ref(), buf.ptr)?;
@@ -795,7 +870,11 @@ impl Backend for GpuBackend {
         };
         let grid = [blocks(table.cols, BLOCK), tokens.len() as u32, 1];
         let (table_ptr, out_ptr, cols) = (Arg::Ptr(table.buf.ptr), Arg::Ptr(out.buf.ptr), Arg::I32(table.cols as i32));
-        if table.is_fp8() {
+        if let WeightFormat::Packed(format) = table.format {
+            let args = [table_ptr, Arg::I32(packed_kernel(format).0), Arg::I32(table.rows as i32), Arg::Ptr(ids_ptr), out_ptr, cols];
+            let grid = [blocks(table.cols / 16, BLOCK), tokens.len() as u32, 1];
+            self.rt.launch("embed_packed", grid, [BLOCK, 1, 1], 0, &args)?;
+        } else if table.is_fp8() {
             let kblocks = Arg::I32(table.cols.div_ceil(FP8_BLOCK) as i32);
             let args = [table_ptr, Arg::Ptr(table.scales()), Arg::Ptr(ids_ptr), out_ptr, cols, kblocks];
             self.rt.launch("embed_fp8", grid, [BLOCK, 1, 1], 0, &args)?;
@@ -850,7 +929,9 @@ impl Backend for GpuBackend {
             && N >= 1
             && norm.cols == x.cols
             && projs.iter().all(|p| {
-                p.weight.cols == x.cols && p.weight.gemv1_fits(true, self.rt.max_shared_bytes()) && p.weight.is_fp8() == projs[0].weight.is_fp8()
+                p.weight.cols == x.cols
+                    && p.weight.gemv1_fits(true, self.rt.max_shared_bytes())
+                    && p.weight.kernel("gemv1") == projs[0].weight.kernel("gemv1")
             });
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
@@ -880,7 +961,7 @@ impl Backend for GpuBackend {
             && g.cols == x.cols
             && (u.rows, u.cols) == (g.rows, g.cols)
             && g.gemv1_fits(true, self.rt.max_shared_bytes())
-            && g.is_fp8() == u.is_fp8();
+            && g.kernel("gemv1") == u.kernel("gemv1");
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
             let gv = self.linear(&xn, g, gate.bias)?;

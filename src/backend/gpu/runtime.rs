@@ -205,10 +205,11 @@ pub trait Runtime: Send + Sync {
 /// The kernel sources as one translation unit: the common headers first, then every op file, with
 /// the `#include "common/..."` lines removed (the run-time compilers get no include path).
 pub fn kernel_source() -> String {
-    const HEADERS: [&str; 3] = [
+    const HEADERS: [&str; 4] = [
         include_str!("../../../kernels/common/portable.h"),
         include_str!("../../../kernels/common/mma.h"),
         include_str!("../../../kernels/common/fp8.h"),
+        include_str!("../../../kernels/common/packed.h"),
     ];
     const FILES: [&str; 10] = [
         include_str!("../../../kernels/elementwise.hip"),
