@@ -442,8 +442,9 @@ struct PkStage {
                     const long run = tiles[i].run0[h] + (in ? r : 0);
                     codes[i][h][j] = in ? *(const uint4*)(tiles[i].p[h].codes + run * 16) : make_uint4(0u, 0u, 0u, 0u);
                     fields[i][h][j] = in ? pk_fields<F>(tiles[i].p[h].high, run) : make_uint4(0u, 0u, 0u, 0u);
-                    // A k-quant step is one meta group: both runs share it.
-                    if (j == 0 || PkTraits<F>::MRUNS == 1)
+                    // A k-quant step is one meta group: both runs share its words (Q6_K's pk_meta
+                    // takes the run's own scale pair).
+                    if (j == 0 || PkTraits<F>::MRUNS == 1 || F == PK_Q6_K)
                         meta[i][h][j] = in ? pk_meta<F>(tiles[i].p[h].meta, run) : make_uint4(0u, 0u, 0u, 0u);
                     else
                         meta[i][h][j] = meta[i][h][0];
