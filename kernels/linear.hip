@@ -396,20 +396,29 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const
 #define PK_MMA 1
 #endif
 
-// The high-bit fields of a run's four words, one per component.
+// The high-bit fields of a run's four words as loaded (HB = 4: one word each; 2: two to a word;
+// 1: four to a word); pk_field_of picks word w's.
 template <int F>
 __device__ __forceinline__ uint4 pk_fields(const unsigned char* high, long run) {
     constexpr int HB = PkTraits<F>::HB;
     if (HB == 4) return *(const uint4*)(high + run * 16);
     if (HB == 2) {
         const uint2 v = *(const uint2*)(high + run * 8);
-        return make_uint4(v.x & 0xffffu, v.x >> 16, v.y & 0xffffu, v.y >> 16);
+        return make_uint4(v.x, v.y, 0u, 0u);
     }
-    if (HB == 1) {
-        const unsigned int v = *(const unsigned int*)(high + run * 4);
-        return make_uint4(v & 0xffu, (v >> 8) & 0xffu, (v >> 16) & 0xffu, v >> 24);
-    }
+    if (HB == 1) return make_uint4(*(const unsigned int*)(high + run * 4), 0u, 0u, 0u);
     return make_uint4(0u, 0u, 0u, 0u);
+}
+
+__device__ __forceinline__ unsigned int pk_word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+
+template <int F>
+__device__ __forceinline__ unsigned int pk_field_of(const uint4& raw, int w) {
+    constexpr int HB = PkTraits<F>::HB;
+    if (HB == 4) return pk_word(raw, w);
+    if (HB == 2) return ((w < 2 ? raw.x : raw.y) >> (16 * (w & 1))) & 0xffffu;
+    if (HB == 1) return (raw.x >> (8 * w)) & 0xffu;
+    return 0u;
 }
 
 // A lane's two rows of one tile (g and g + 8, which may lie in different matrices): each row's
@@ -452,8 +461,6 @@ struct PkStage {
     }
 };
 
-__device__ __forceinline__ unsigned int pk_word(const uint4& v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
-
 #ifdef PK_MMA
 // Biased levels (four bytes) to two f16 pairs of s · level − o.
 __device__ __forceinline__ void pk_scaled_pairs(unsigned int levels, unsigned int s2, unsigned int no2, unsigned int* out) {
@@ -492,7 +499,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
             for (int i = 0; i < TILES; i++) {
                 PkScales sc[2];
 #pragma unroll
-                for (int h = 0; h < 2; h++) sc[h] = pk_scales<F>(st.meta[i][h][j], (int)((tiles[i].run0[h] + r) % PkTraits<F>::MRUNS));
+                for (int h = 0; h < 2; h++) sc[h] = pk_scales<F>(st.meta[i][h][j], r % PkTraits<F>::MRUNS);  // rows start groups
 #ifdef PK_MMA
                 unsigned int s_lo[2], o_lo[2], s_hi[2], o_hi[2];
 #pragma unroll
@@ -509,7 +516,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
                     unsigned int lo[2], hi[2];
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const unsigned int c = pk_word(st.codes[i][h][j], w), f = pk_word(st.fields[i][h][j], w);
+                        const unsigned int c = pk_word(st.codes[i][h][j], w), f = pk_field_of<F>(st.fields[i][h][j], w);
                         lo[h] = pk_levels<F>(c, f, false, table);
                         hi[h] = pk_levels<F>(c, f, true, table);
                     }
@@ -594,32 +601,34 @@ __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsi
     y[row] = out[0] * factor + (bias ? bias[row] : 0.0f) + (sg == 0 && residual ? residual[row] : 0.0f);
 }
 
-// As gemv1_gate_up_fp8 over packed weights.
+// As gemv1_gate_up_fp8 over packed weights, but a block's tile is 8 gate rows (as rows g) and the
+// same 8 up rows (as rows g + 8): one tile's registers, twice the blocks. Launch: grid ceil(N / 8).
 template <int F>
 __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, const unsigned char* u, const float* gate_bias,
                                                      const float* up_bias, const float* x, const float* norm_w, float eps,
                                                      float* out, int N, int K) {
-    const int lane = threadIdx.x % 32;
-    PkRows<F> tiles[2];
-    const int ng = blockIdx.x * 16 + lane / 4 < N ? blockIdx.x * 16 + lane / 4 : 0;
-    const int ng8 = blockIdx.x * 16 + lane / 4 + 8 < N ? blockIdx.x * 16 + lane / 4 + 8 : 0;
-    tiles[0].set(0, g, N, K, ng);
-    tiles[0].set(1, g, N, K, ng8);
-    tiles[1].set(0, u, N, K, ng);
-    tiles[1].set(1, u, N, K, ng8);
-    float gu[2];
-    pk_rows_dot<F, 2>(tiles, x, norm_w, eps, K, gu);
-    const int n = blockIdx.x * 16 + threadIdx.x;
-    if (threadIdx.x >= 16 || n >= N) return;
-    const float fg = pk_factor<F>(tiles[0].p[0], N, K), fu = pk_factor<F>(tiles[1].p[0], N, K);
-    const float gv = gu[0] * fg + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] * fu + (up_bias ? up_bias[n] : 0.0f);
+    const int lane = threadIdx.x % 32, first = blockIdx.x * 8;
+    const int n_lane = first + lane / 4 < N ? first + lane / 4 : 0;
+    PkRows<F> tile[1];
+    tile[0].set(0, g, N, K, n_lane);
+    tile[0].set(1, u, N, K, n_lane);
+    float sum[1];
+    pk_rows_dot<F, 1>(tile, x, norm_w, eps, K, sum);
+    // Threads 0-7 hold the gate sums of rows first + 0..7, threads 8-15 the up sums.
+    if (threadIdx.x >= 32) return;
+    const float up_sum = shfl(sum[0], (threadIdx.x + 8) % 32);
+    const int n = first + threadIdx.x;
+    if (threadIdx.x >= 8 || n >= N) return;
+    const PkPlanes pg = pk_planes<F>(g, N, K), pu = pk_planes<F>(u, N, K);
+    const float gv = sum[0] * pk_factor<F>(pg, N, K) + (gate_bias ? gate_bias[n] : 0.0f);
+    const float uv = up_sum * pk_factor<F>(pu, N, K) + (up_bias ? up_bias[n] : 0.0f);
     out[n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
 // The kernels of one format: gemv1_<name> and gemv1_gate_up_<name>, with gemv1_fp8's and
 // gemv1_gate_up_fp8's signatures (scale pointers unused).
 #define PK_GEMV_KERNELS(name, F)                                                                                       \
-    ATLAS_KERNEL void gemv1_##name(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,           \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2) gemv1_##name(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,           \
                                    const unsigned char* w3, const float*, const float*, const float*, const float*,     \
                                    const float* b0, const float* b1, const float* b2, const float* b3, float* y0,      \
                                    float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,    \

@@ -260,7 +260,7 @@ fn push_k_runs(qs: &[u8], qh: Option<&[u8]>, runs: &mut Vec<RunCodes>) {
 
 impl PackedMatrix {
     /// Rearranges `rows` rows of GGML blocks (`row(r)` gives row r's bytes).
-    fn from_ggml_rows<'a>(format: GgmlFormat, rows: usize, cols: usize, row: impl Fn(usize) -> &'a [u8]) -> Result<Self> {
+    fn from_ggml_rows<'a>(format: GgmlFormat, rows: usize, cols: usize, row: impl Fn(usize) -> &'a [u8] + Sync) -> Result<Self> {
         Self::build(format, rows, cols, 1.0, |r, runs, meta| split_row(format, row(r), runs, meta))
     }
 
@@ -269,23 +269,32 @@ impl PackedMatrix {
         rows: usize,
         cols: usize,
         factor: f32,
-        split: impl Fn(usize, &mut Vec<RunCodes>, &mut Vec<u8>),
+        split: impl Fn(usize, &mut Vec<RunCodes>, &mut Vec<u8>) + Sync,
     ) -> Result<Self> {
+        use rayon::prelude::*;
         let (high_at, meta_at, end) = plane_offsets(format, rows, cols)
             .filter(|_| packable(format, cols))
             .ok_or_else(|| Error::InvalidArgument(format!("{format} matrix [{rows}, {cols}] cannot be packed")))?;
-        let mut codes = Vec::with_capacity(high_at);
-        let mut high = Vec::with_capacity(meta_at - high_at);
-        let mut meta = Vec::with_capacity(end - meta_at);
-        let mut runs = Vec::with_capacity(cols / RUN);
-        for r in 0..rows {
-            runs.clear();
-            split(r, &mut runs, &mut meta);
-            push_runs(format, &runs, &mut codes, &mut high);
+        // Bands of rows in parallel (a large model's load waits on this), joined in order.
+        const BAND: usize = 256;
+        let bands: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> = (0..rows.div_ceil(BAND))
+            .into_par_iter()
+            .map(|band| {
+                let (mut codes, mut high, mut meta, mut runs) = (Vec::new(), Vec::new(), Vec::new(), Vec::with_capacity(cols / RUN));
+                for r in band * BAND..((band + 1) * BAND).min(rows) {
+                    runs.clear();
+                    split(r, &mut runs, &mut meta);
+                    push_runs(format, &runs, &mut codes, &mut high);
+                }
+                (codes, high, meta)
+            })
+            .collect();
+        let mut bytes = Vec::with_capacity(end);
+        for plane in 0..3 {
+            for band in &bands {
+                bytes.extend_from_slice([&band.0, &band.1, &band.2][plane]);
+            }
         }
-        let mut bytes = codes;
-        bytes.extend_from_slice(&high);
-        bytes.extend_from_slice(&meta);
         if format == GgmlFormat::NVFP4 {
             bytes.extend_from_slice(&factor.to_le_bytes());
         }

@@ -983,7 +983,9 @@ impl Backend for GpuBackend {
             Arg::I32(g.rows as i32),
             Arg::I32(g.cols as i32),
         ];
-        let (grid, block, shared) = g.gemv1_launch(g.rows, true, self.rt.warp_size());
+        // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
+        let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
+        let (grid, block, shared) = g.gemv1_launch(tile_rows, true, self.rt.warp_size());
         self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, block, shared, &args)?;
         Ok(out)
     }
