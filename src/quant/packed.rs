@@ -272,7 +272,7 @@ impl PackedMatrix {
         split: impl Fn(usize, &mut Vec<RunCodes>, &mut Vec<u8>) + Sync,
     ) -> Result<Self> {
         use rayon::prelude::*;
-        let (high_at, meta_at, end) = plane_offsets(format, rows, cols)
+        let (_, _, end) = plane_offsets(format, rows, cols)
             .filter(|_| packable(format, cols))
             .ok_or_else(|| Error::InvalidArgument(format!("{format} matrix [{rows}, {cols}] cannot be packed")))?;
         // Bands of rows in parallel (a large model's load waits on this), joined in order.
