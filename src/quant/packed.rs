@@ -466,7 +466,7 @@ mod tests {
         block[2 + 21] = 0x81; // value 21: -127 → 1
         let m = GgmlMatrix::new(GgmlFormat::Q8_0, 1, 32, block).unwrap();
         let p = pack(&m, None).unwrap().unwrap();
-        assert_eq!(p.bytes[0], 0xFF & 0x0F | ((0x80 & 0x0F) << 4), "value 0 low nibble, value 16's above it");
+        assert_eq!(p.bytes[0], 0x0F, "value 0 (0xFF) low nibble, value 16 (0x80) low nibble above it");
         assert_eq!(p.bytes[16] & 0x0F, 0x0F, "value 0's high nibble in word 0's field");
         // value 21 = 16 + 4·1 + 1: field of word 1 (bytes 20..24), byte 1, high half.
         assert_eq!(p.bytes[16 + 4 + 1] >> 4, 0, "1 >> 4");
