@@ -1,6 +1,6 @@
 //! `atlas quantize`. A GGUF file with float weights (F32, F16, BF16) re-encoded in a block format
-//! Atlas writes (Q8_0, Q4_0, Q4_K, Q6_K, llama.cpp's Q4_K_M mix of those two, and the ROCmFPX
-//! fork's ROCmFP4 types 100 and 101): every weight
+//! Atlas writes (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, llama.cpp's Q4_K_M mix, and the ROCmFPX fork's
+//! ROCmFP4 types 100 and 101 alone or in its seven presets): every weight
 //! matrix (2-D, or 3-D stacked experts) whose rows are whole blocks, except the MoE routers and
 //! the Gated DeltaNet convolution, which stay as they are, like every vector; the metadata is
 //! copied with `general.file_type` set. Or a safetensors checkpoint written as NVFP4 in NVIDIA
@@ -26,14 +26,54 @@ pub struct TensorLine {
     pub bytes_after: u64,
 }
 
-/// What a GGUF quantisation writes: one block format for every weight, or llama.cpp's Q4_K_M mix.
+/// What a GGUF quantisation writes: one block format for every weight, llama.cpp's Q4_K_M mix,
+/// or one of the ROCmFPX fork's ROCmFP4 presets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Plan {
     Uniform(GgmlFormat),
     /// Q4_K, with Q6_K for the head (the tied embedding too) and for the value and down
     /// projections of the layers llama.cpp gives more bits (the first and last eighth, and every
-    /// third between); Atlas writes no Q5_K, so a fused qkv projection takes Q6_K there too.
+    /// third between), and Q5_K for a fused qkv projection, as llama.cpp does.
     Q4KM,
+    Rocm(RocmPreset),
+}
+
+/// The ROCmFPX fork's ROCmFP4 presets (its llama_ftype 100–106, `Q4_0_ROCMFP4*`): which tensor
+/// role gets type 100 (two scales a block), 101 (one scale), Q5_K or Q6_K; see `rocm_format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RocmPreset {
+    Base,
+    Lean,
+    Coherent,
+    Fast,
+    FastCoherent,
+    Strix,
+    StrixLean,
+}
+
+impl RocmPreset {
+    pub const ALL: [RocmPreset; 7] = [
+        RocmPreset::Base,
+        RocmPreset::Lean,
+        RocmPreset::Coherent,
+        RocmPreset::Fast,
+        RocmPreset::FastCoherent,
+        RocmPreset::Strix,
+        RocmPreset::StrixLean,
+    ];
+
+    /// The fork's name (`llama-quantize` accepts it; `general.file_type` = 100 + index).
+    pub fn name(self) -> &'static str {
+        match self {
+            RocmPreset::Base => "Q4_0_ROCMFP4",
+            RocmPreset::Lean => "Q4_0_ROCMFP4_LEAN",
+            RocmPreset::Coherent => "Q4_0_ROCMFP4_COHERENT",
+            RocmPreset::Fast => "Q4_0_ROCMFP4_FAST",
+            RocmPreset::FastCoherent => "Q4_0_ROCMFP4_FAST_COHERENT",
+            RocmPreset::Strix => "Q4_0_ROCMFP4_STRIX",
+            RocmPreset::StrixLean => "Q4_0_ROCMFP4_STRIX_LEAN",
+        }
+    }
 }
 
 impl std::fmt::Display for Plan {
@@ -41,6 +81,7 @@ impl std::fmt::Display for Plan {
         match self {
             Plan::Q4KM => f.write_str("q4_k_m"),
             Plan::Uniform(format) => f.write_str(format.name()),
+            Plan::Rocm(preset) => f.write_str(preset.name()),
         }
     }
 }
@@ -50,9 +91,11 @@ impl Plan {
     fn file_type(self) -> u32 {
         match self {
             Plan::Q4KM => 15,
+            Plan::Rocm(preset) => 100 + RocmPreset::ALL.iter().position(|&p| p == preset).unwrap_or(0) as u32,
             Plan::Uniform(GgmlFormat::Q8_0) => 7,
             Plan::Uniform(GgmlFormat::Q4_0) => 2,
             Plan::Uniform(GgmlFormat::Q4_K) => 14,
+            Plan::Uniform(GgmlFormat::Q5_K) => 16,
             Plan::Uniform(GgmlFormat::Q6_K) => 18,
             Plan::Uniform(GgmlFormat::ROCMFP4) => 100,
             // The fork's ftype for "all FAST" is 103 (its tensor type is 101).
@@ -61,14 +104,30 @@ impl Plan {
     }
 }
 
-/// The plan named on the command line: Q4_K_M, or a format ggml names (case does not matter).
+/// The plan named on the command line: Q4_K_M; a ROCmFP4 preset of the ROCmFPX fork
+/// (`Q4_0_ROCMFP4`, `_LEAN`, `_COHERENT`, `_FAST`, `_FAST_COHERENT`, `_STRIX`, `_STRIX_LEAN`); its
+/// ciru-ai fork's `Q4_0_ROCMFP4_EVEN` / `Q4_0_ROCMFP4_FAST_EVEN` (every weight one ROCmFP4 type);
+/// or a format ggml names (case does not matter).
 pub fn parse_target(name: &str) -> Result<Plan> {
-    if name.eq_ignore_ascii_case("q4_k_m") {
+    let upper = name.to_ascii_uppercase();
+    if upper == "Q4_K_M" {
         return Ok(Plan::Q4KM);
     }
-    GgmlFormat::WRITABLE.into_iter().find(|f| f.name().eq_ignore_ascii_case(name)).map(Plan::Uniform).ok_or_else(|| {
-        let names: Vec<String> = GgmlFormat::WRITABLE.iter().map(|f| f.name().to_ascii_uppercase()).collect();
-        Error::InvalidArgument(format!("cannot quantize to {name:?}: Atlas writes Q4_K_M, {}", names.join(", ")))
+    if let Some(preset) = RocmPreset::ALL.into_iter().find(|p| p.name() == upper) {
+        return Ok(Plan::Rocm(preset));
+    }
+    match upper.as_str() {
+        "Q4_0_ROCMFP4_EVEN" => return Ok(Plan::Uniform(GgmlFormat::ROCMFP4)),
+        "Q4_0_ROCMFP4_FAST_EVEN" => return Ok(Plan::Uniform(GgmlFormat::ROCMFP4_FAST)),
+        _ => {}
+    }
+    let uniform = GgmlFormat::WRITABLE.into_iter().filter(|f| !matches!(f, GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST));
+    uniform.clone().find(|f| f.name().eq_ignore_ascii_case(name)).map(Plan::Uniform).ok_or_else(|| {
+        let mut names: Vec<String> = vec!["Q4_K_M".into()];
+        names.extend(uniform.map(|f| f.name().to_ascii_uppercase()));
+        names.extend(RocmPreset::ALL.iter().map(|p| p.name().to_string()));
+        names.extend(["Q4_0_ROCMFP4_EVEN".into(), "Q4_0_ROCMFP4_FAST_EVEN".into()]);
+        Error::InvalidArgument(format!("cannot quantize to {name:?}: Atlas writes {}", names.join(", ")))
     })
 }
 
@@ -87,6 +146,7 @@ fn is_weight_matrix(t: &TensorInfo) -> bool {
 enum Role {
     Head,
     Value,
+    Qkv,
     Down,
     Other,
 }
@@ -94,13 +154,73 @@ enum Role {
 fn role(name: &str, has_output: bool) -> Role {
     if name == "output.weight" || (!has_output && name == "token_embd.weight") {
         Role::Head
-    } else if name.contains("attn_v.weight") || name.contains("attn_qkv.weight") {
+    } else if name.contains("attn_v.weight") {
         Role::Value
+    } else if name.contains("attn_qkv.weight") {
+        Role::Qkv
     } else if name.contains("ffn_down") {
         Role::Down
     } else {
         Role::Other
     }
+}
+
+/// The layer of a `blk.N.` tensor.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// The ROCmFPX fork's choice for one tensor under `preset` (its llama-quant.cpp, by name as it
+/// matches them): D = type 100, F = type 101. `layers`: the file's block count; `experts`: its
+/// expert count. Returns the format before the shape fallback.
+fn rocm_format(preset: RocmPreset, name: &str, tied: bool, layers: usize, experts: u64) -> GgmlFormat {
+    use GgmlFormat::{Q5_K, Q6_K, Q8_0, ROCMFP4 as D, ROCMFP4_FAST as F};
+    use RocmPreset::*;
+    let fast = matches!(preset, Fast | FastCoherent | Strix | StrixLean);
+    let default = if fast { F } else { D };
+    let layer = layer_of(name).unwrap_or(0);
+    let has = |s: &str| name.contains(s);
+    let chosen = if name == "token_embd.weight" {
+        match preset {
+            Base if tied => Q6_K,
+            Base => D,
+            Lean | StrixLean => Q5_K,
+            Coherent | FastCoherent | Strix => Q6_K,
+            Fast => F,
+        }
+    } else if name == "output.weight" {
+        if preset == Base { Q6_K } else { default }
+    } else if has("attn_k.weight") {
+        if experts == 8 && !matches!(preset, Strix | StrixLean) {
+            Q8_0
+        } else if matches!(preset, Strix | StrixLean) {
+            D
+        } else {
+            default
+        }
+    } else if has("attn_v.weight") || has("attn_qkv.weight") || has("attn_kv_b.weight") {
+        if experts == 8 {
+            Q8_0
+        } else {
+            match preset {
+                Base => Q5_K,
+                Strix | StrixLean => D,
+                _ => default,
+            }
+        }
+    } else if has("attn_output.weight") {
+        if preset == Base { Q5_K } else { default }
+    } else if has("ffn_gate") && preset == Base {
+        if more_bits(layer, layers) { Q5_K } else { D }
+    } else if has("ffn_down") && preset == Base {
+        if layer < 2 * layers / 3 { Q6_K } else { Q5_K }
+    } else {
+        default
+    };
+    // Later forks' floor for draft (MTP / NextN) projections.
+    let draft = name.ends_with("fc.weight")
+        || ["nextn.eh_proj", "nextn.e_proj", "nextn.h_proj", "mtp.pre_projection", "mtp.post_projection"].iter().any(|p| has(p));
+    if draft && matches!(chosen, D | F | GgmlFormat::Q4_0) { Q8_0 } else { chosen }
 }
 
 /// llama.cpp's layers that get more bits: the first and last eighth, and every third between.
@@ -109,9 +229,16 @@ fn more_bits(i: usize, n: usize) -> bool {
 }
 
 /// The format of each tensor (None: kept as it is), with the shape fallback: rows that are not
-/// whole k-quant super-blocks take Q8_0 (llama.cpp takes Q5_0, which Atlas does not write).
+/// whole k-quant super-blocks take Q8_0 (llama.cpp takes Q5_0, which Atlas does not write); under
+/// a ROCmFP4 preset, types 100/101 fall back to Q4_0 and Q5_K/Q6_K to Q8_0 (the fork takes Q5_1
+/// for Q5_K, which Atlas does not write), and a row that fits none stays as it is.
 fn formats(file: &GgufFile, plan: Plan) -> Vec<Option<GgmlFormat>> {
     let has_output = file.tensor("output.weight").is_some();
+    let arch = file.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("").to_string();
+    let meta_u64 = |key: &str| file.get(&format!("{arch}.{key}")).and_then(|v| v.as_u64());
+    let max_layer = file.tensors().iter().filter_map(|t| layer_of(&t.name)).max().map_or(0, |l| l + 1);
+    let layers = meta_u64("block_count").map_or(max_layer, |n| n as usize);
+    let experts = meta_u64("expert_count").unwrap_or(0);
     let roles: Vec<Role> = file.tensors().iter().map(|t| role(&t.name, has_output)).collect();
     let count = |r: Role| roles.iter().filter(|&&x| x == r).count();
     let (n_value, n_down) = (count(Role::Value), count(Role::Down));
@@ -122,7 +249,9 @@ fn formats(file: &GgufFile, plan: Plan) -> Vec<Option<GgmlFormat>> {
         .map(|(t, &r)| {
             let wanted = match (plan, r) {
                 (Plan::Uniform(f), _) => f,
+                (Plan::Rocm(preset), _) => rocm_format(preset, &t.name, !has_output, layers, experts),
                 (Plan::Q4KM, Role::Head) => GgmlFormat::Q6_K,
+                (Plan::Q4KM, Role::Qkv) => GgmlFormat::Q5_K,
                 (Plan::Q4KM, Role::Value) => {
                     i_value += 1;
                     if more_bits(i_value - 1, n_value) { GgmlFormat::Q6_K } else { GgmlFormat::Q4_K }
@@ -134,8 +263,13 @@ fn formats(file: &GgufFile, plan: Plan) -> Vec<Option<GgmlFormat>> {
                 (Plan::Q4KM, Role::Other) => GgmlFormat::Q4_K,
             };
             let fits = |f: GgmlFormat| t.dims[0] % f.block_size() as u64 == 0;
-            let k_quant = matches!(plan, Plan::Q4KM);
-            let chosen = if fits(wanted) { Some(wanted) } else { Some(GgmlFormat::Q8_0).filter(|&f| k_quant && fits(f)) };
+            let fallback = match (plan, wanted) {
+                (Plan::Q4KM, _) => Some(GgmlFormat::Q8_0),
+                (Plan::Rocm(_), GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST) => Some(GgmlFormat::Q4_0),
+                (Plan::Rocm(_), GgmlFormat::Q5_K | GgmlFormat::Q6_K) => Some(GgmlFormat::Q8_0),
+                _ => None,
+            };
+            let chosen = if fits(wanted) { Some(wanted) } else { fallback.filter(|&f| fits(f)) };
             chosen.filter(|_| is_weight_matrix(t))
         })
         .collect()
@@ -292,16 +426,21 @@ mod tests {
     use super::*;
     use crate::gguf::{MetaArray, TensorOut};
 
-    /// A GGUF of 256-wide F32 tensors named as a model's: a head, eight layers of value and down
-    /// projections, a query projection, a router and a norm.
+    /// A GGUF of 256-wide F32 tensors named as a model's: a head, eight layers of value, down and
+    /// gate projections, a query, key, output and fused qkv projection, a token embedding, a router
+    /// and a norm.
     fn wide_file(path: &Path) {
         let f32t = GgmlType::from_u32(0).unwrap();
-        let mut names: Vec<(String, Vec<u64>)> = vec![("output.weight".into(), vec![256, 2])];
+        let mut names: Vec<(String, Vec<u64>)> = vec![("output.weight".into(), vec![256, 2]), ("token_embd.weight".into(), vec![256, 2])];
         for i in 0..8 {
             names.push((format!("blk.{i}.attn_v.weight"), vec![256, 2]));
             names.push((format!("blk.{i}.ffn_down.weight"), vec![256, 2]));
+            names.push((format!("blk.{i}.ffn_gate.weight"), vec![256, 2]));
         }
-        names.extend([("blk.0.attn_q.weight".into(), vec![256, 2]), ("blk.0.ffn_gate_inp.weight".into(), vec![256, 2]), ("blk.0.attn_norm.weight".into(), vec![256])]);
+        for n in ["attn_q", "attn_k", "attn_output", "attn_qkv", "ffn_gate_inp"] {
+            names.push((format!("blk.0.{n}.weight"), vec![256, 2]));
+        }
+        names.extend([("blk.0.attn_norm.weight".into(), vec![256]), ("blk.0.nextn.eh_proj.weight".into(), vec![256, 2])]);
         let tensors: Vec<TensorOut> = names
             .into_iter()
             .enumerate()
@@ -329,6 +468,7 @@ mod tests {
             assert_eq!(to(&format!("blk.{i}.ffn_down.weight")).as_deref(), Some(want), "ffn_down {i}");
         }
         assert_eq!(to("blk.0.attn_q.weight").as_deref(), Some("q4_k"));
+        assert_eq!(to("blk.0.attn_qkv.weight").as_deref(), Some("q5_k"));
         assert_eq!((to("blk.0.ffn_gate_inp.weight"), to("blk.0.attn_norm.weight")), (None, None));
         // The written blocks decode close to the values.
         let (src, out) = (GgufFile::open(&input).unwrap(), GgufFile::open(&output).unwrap());
@@ -347,5 +487,50 @@ mod tests {
         for p in [input, output] {
             std::fs::remove_file(p).unwrap();
         }
+    }
+
+    /// The ROCmFPX fork's per-role table (its llama-quant.cpp) for two presets, on a file of eight
+    /// layers with a head of its own.
+    #[test]
+    fn rocmfp4_presets_follow_the_forks_table() {
+        let tmp = |s: &str| std::env::temp_dir().join(format!("atlas-rocm-{}-{s}.gguf", std::process::id()));
+        let input = tmp("in");
+        wide_file(&input);
+        let run = |preset: &str| {
+            let output = tmp(preset);
+            let lines = quantize_gguf(&input, &output, parse_target(preset).unwrap(), &mut |_, _, _| {}).unwrap();
+            let file_type = GgufFile::open(&output).unwrap().get("general.file_type").and_then(MetaValue::as_u64);
+            std::fs::remove_file(output).unwrap();
+            (lines, file_type)
+        };
+        let (d, f) = ("q4_0_rocmfp4", "q4_0_rocmfp4_fast");
+        // Base (100): Q6_K head, Q5_K attn_v / qkv / attn_output, ffn_down Q6_K below 2n/3 and Q5_K
+        // above, ffn_gate Q5_K on the more-bits layers (0, 3, 6, 7 of 8), the rest type 100; the
+        // draft projection raised to Q8_0.
+        let (lines, file_type) = run("Q4_0_ROCMFP4");
+        let to = |name: &str| lines.iter().find(|l| l.name == name).and_then(|l| l.to.clone()).unwrap_or_default();
+        assert_eq!(file_type, Some(100));
+        for (name, want) in [("output.weight", "q6_k"), ("token_embd.weight", d), ("blk.0.attn_q.weight", d), ("blk.0.attn_k.weight", d),
+            ("blk.0.attn_output.weight", "q5_k"), ("blk.0.attn_qkv.weight", "q5_k"), ("blk.0.nextn.eh_proj.weight", "q8_0")] {
+            assert_eq!(to(name), want, "Q4_0_ROCMFP4 {name}");
+        }
+        for i in 0..8 {
+            assert_eq!(to(&format!("blk.{i}.attn_v.weight")), "q5_k", "attn_v {i}");
+            assert_eq!(to(&format!("blk.{i}.ffn_down.weight")), if i < 5 { "q6_k" } else { "q5_k" }, "ffn_down {i}");
+            assert_eq!(to(&format!("blk.{i}.ffn_gate.weight")), if [0, 3, 6, 7].contains(&i) { "q5_k" } else { d }, "ffn_gate {i}");
+        }
+        // STRIX_LEAN (106): Q5_K token embedding, type 100 for attn_k / attn_v / qkv, 101 elsewhere
+        // (the head included).
+        let (lines, file_type) = run("q4_0_rocmfp4_strix_lean");
+        let to = |name: &str| lines.iter().find(|l| l.name == name).and_then(|l| l.to.clone()).unwrap_or_default();
+        assert_eq!(file_type, Some(106));
+        for (name, want) in [("output.weight", f), ("token_embd.weight", "q5_k"), ("blk.0.attn_q.weight", f), ("blk.0.attn_k.weight", d),
+            ("blk.3.attn_v.weight", d), ("blk.0.attn_qkv.weight", d), ("blk.0.attn_output.weight", f), ("blk.5.ffn_down.weight", f)] {
+            assert_eq!(to(name), want, "STRIX_LEAN {name}");
+        }
+        // The EVEN aliases: one type for every weight.
+        assert_eq!(parse_target("Q4_0_ROCMFP4_FAST_EVEN").unwrap(), Plan::Uniform(GgmlFormat::ROCMFP4_FAST));
+        assert!(parse_target("Q4_0_ROCMFP4_STRIX_BALANCED").is_err(), "not a preset of the fork");
+        std::fs::remove_file(input).unwrap();
     }
 }

@@ -1366,7 +1366,7 @@ fn quantized_fixture_models_decode_alike_on_cpu_and_gpu() {
     // The fixtures are 64 wide: whole runs of 32, not whole k-quant super-blocks (Q4_K_M falls
     // back to Q8_0 there; the k-quant kernels are checked on random blocks above).
     for base in ["qwen3_5_tiny.gguf", "qwen3_moe_tiny.gguf"] {
-        for target in ["Q8_0", "Q4_0", "q4_0_rocmfp4", "q4_0_rocmfp4_fast"] {
+        for target in ["Q8_0", "Q4_0", "Q4_0_ROCMFP4_EVEN", "Q4_0_ROCMFP4_FAST_EVEN"] {
             let out = scratch(&format!("{target}-{base}"));
             atlas::quantize::quantize_gguf(&fixture(base), &out, atlas::quantize::parse_target(target).unwrap(), &mut |_, _, _| {}).unwrap();
             cases.push((format!("{base} {target}"), out));

@@ -159,12 +159,19 @@ impl GgmlFormat {
 
 impl GgmlFormat {
     /// The formats `quantize_row` can write.
-    pub const WRITABLE: [GgmlFormat; 6] =
-        [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_K, GgmlFormat::Q6_K, GgmlFormat::ROCMFP4, GgmlFormat::ROCMFP4_FAST];
+    pub const WRITABLE: [GgmlFormat; 7] = [
+        GgmlFormat::Q8_0,
+        GgmlFormat::Q4_0,
+        GgmlFormat::Q4_K,
+        GgmlFormat::Q5_K,
+        GgmlFormat::Q6_K,
+        GgmlFormat::ROCMFP4,
+        GgmlFormat::ROCMFP4_FAST,
+    ];
 
     /// Encodes a row of `x.len()` values (a whole number of blocks) as this format's blocks;
     /// None for a format Atlas only reads. Q8_0 and Q4_0 round as ggml's reference quantisers
-    /// do; Q4_K and Q6_K fit their scales by least squares (kquant); ROCmFP4 chooses its scales
+    /// do; Q4_K, Q5_K and Q6_K fit their scales by least squares (kquant); ROCmFP4 chooses its scales
     /// as the ROCmFPX fork does (fp4::rocmfp4_quantize).
     pub fn quantize_row(self, x: &[f32]) -> Option<Vec<u8>> {
         let bs = self.block_size();
@@ -177,6 +184,7 @@ impl GgmlFormat {
                 GgmlFormat::Q8_0 => quantize_q8_0(block, &mut out),
                 GgmlFormat::Q4_0 => quantize_q4_0(block, &mut out),
                 GgmlFormat::Q4_K => kquant::quantize_q4_k(block, &mut out),
+                GgmlFormat::Q5_K => kquant::quantize_q5_k(block, &mut out),
                 GgmlFormat::Q6_K => kquant::quantize_q6_k(block, &mut out),
                 GgmlFormat::ROCMFP4 => fp4::rocmfp4_quantize(block, true, &mut out),
                 _ => fp4::rocmfp4_quantize(block, false, &mut out),
@@ -474,8 +482,9 @@ mod tests {
                 GgmlFormat::Q8_0 => 0.5 / 127.0,
                 GgmlFormat::Q4_0 => 1.0 / 8.0,
                 // Half a step of the sub-block's range (15 or 63 steps) plus the 6- and 8-bit
-                // rounding of its scale against the super-block's.
+                // rounding of its scale against the super-block's (Q5_K: 31 steps).
                 GgmlFormat::Q4_K => 0.1,
+                GgmlFormat::Q5_K => 0.05,
                 GgmlFormat::Q6_K => 0.04,
                 _ => 0.15,
             };
@@ -485,7 +494,7 @@ mod tests {
                 assert!(worst <= bound * amax * 1.01, "{format}: {worst} of {amax}");
             }
         }
-        assert_eq!(GgmlFormat::Q5_K.quantize_row(&[0.0; 256]), None);
+        assert_eq!(GgmlFormat::IQ4_XS.quantize_row(&[0.0; 256]), None);
         assert_eq!(GgmlFormat::Q8_0.quantize_row(&[0.0; 31]), None);
         // A known block: max|x| = 127, so d = 1 and q = round(x) (halves away from zero).
         let mut x = [0f32; 32];

@@ -1,5 +1,5 @@
-//! Writing the k-quants Q4_K and Q6_K (super-blocks of 256; the layouts `ggml::q4_k` and
-//! `ggml::q6_k` decode). Each sub-block gets the scale (and, for Q4_K, the offset) that fits its
+//! Writing the k-quants Q4_K, Q5_K and Q6_K (super-blocks of 256; the layouts `ggml::q4_k`,
+//! `ggml::q5_k` and `ggml::q6_k` decode). Each sub-block gets the scale (and, for Q4_K, the offset) that fits its
 //! values best in a least-squares sense, searched over a few candidates; the super-block then
 //! stores those as 6- or 8-bit multiples of one f16 scale, and every value is rounded again
 //! against the scales as stored. Not ggml's search step for step, so the bytes may differ from
@@ -86,7 +86,19 @@ fn f16_round(v: f32) -> f32 {
 
 /// One Q4_K super-block: { f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }.
 pub(super) fn quantize_q4_k(x: &[f32], out: &mut Vec<u8>) {
-    let fits: Vec<(f32, f32)> = x.chunks_exact(32).map(|sub| fit_affine(sub, 15)).collect();
+    quantize_affine_k(x, 15, out);
+}
+
+/// One Q5_K super-block: { f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] }: Q4_K's with a
+/// fifth bit per value (bit r of qh[l] for value 32r + l).
+pub(super) fn quantize_q5_k(x: &[f32], out: &mut Vec<u8>) {
+    quantize_affine_k(x, 31, out);
+}
+
+/// Q4_K (`max_q` 15) or Q5_K (31): eight sub-blocks of 32, each s·q − m with 6-bit multiples of
+/// the super-block's d and dmin.
+fn quantize_affine_k(x: &[f32], max_q: i32, out: &mut Vec<u8>) {
+    let fits: Vec<(f32, f32)> = x.chunks_exact(32).map(|sub| fit_affine(sub, max_q)).collect();
     let max_scale = fits.iter().fold(0f32, |a, f| a.max(f.0));
     let max_min = fits.iter().fold(0f32, |a, f| a.max(f.1));
     let d = f16_round(max_scale / 63.0);
@@ -109,15 +121,18 @@ pub(super) fn quantize_q4_k(x: &[f32], out: &mut Vec<u8>) {
         .enumerate()
         .flat_map(|(j, sub)| {
             let (s, m) = (d * sc[j] as f32, dmin * mn[j] as f32);
-            sub.iter().map(move |&v| if s > 0.0 { nearest((v + m) / s, 0, 15) as u8 } else { 0 }).collect::<Vec<_>>()
+            sub.iter().map(move |&v| if s > 0.0 { nearest((v + m) / s, 0, max_q) as u8 } else { 0 }).collect::<Vec<_>>()
         })
         .collect();
     out.extend(half::f16::from_f32(d).to_le_bytes());
     out.extend(half::f16::from_f32(dmin).to_le_bytes());
     out.extend(scales);
+    if max_q > 15 {
+        out.extend((0..32).map(|l| (0..8).fold(0u8, |h, r| h | ((q[32 * r + l] >> 4) << r))));
+    }
     // Chunk c holds sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles).
     for c in 0..4 {
-        out.extend((0..32).map(|l| q[64 * c + l] | (q[64 * c + 32 + l] << 4)));
+        out.extend((0..32).map(|l| (q[64 * c + l] & 0x0F) | ((q[64 * c + 32 + l] & 0x0F) << 4)));
     }
 }
 

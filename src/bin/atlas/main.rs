@@ -75,7 +75,7 @@ enum Command {
     /// and tokenizer copied. Routers, convolutions and vectors stay as they are. The same input
     /// gives the same bytes.
     ///
-    /// Example: atlas quantize -m Qwen3-0.6B-BF16.gguf --to Q4_0_ROCMFP4 -o Qwen3-0.6B-ROCMFP4.gguf
+    /// Example: atlas quantize -m Qwen3-0.6B-BF16.gguf --to ROCMFP4 --preset STRIX_LEAN -o Qwen3-0.6B-ROCMFP4.gguf
     Quantize(quantize::QuantizeArgs),
     /// Perplexity of a text, as llama.cpp's perplexity tool measures it: the text is cut into
     /// chunks of --ctx tokens, each runs from an empty cache, and the second half of each chunk is

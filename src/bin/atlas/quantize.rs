@@ -13,11 +13,20 @@ pub struct QuantizeArgs {
     /// output; for NVFP4, a Hugging Face safetensors directory.
     #[arg(short, long)]
     model: PathBuf,
-    /// The format: Q4_K_M (llama.cpp's mix of Q4_K and Q6_K), Q8_0, Q4_0, Q4_K, Q6_K,
-    /// Q4_0_ROCMFP4 (ROCmFP4, a scale per 16 weights) or Q4_0_ROCMFP4_FAST (one per 32) for GGUF; NVFP4 for safetensors (NVIDIA ModelOpt's
-    /// layout: attention and MLP projections, the rest kept).
+    /// The format: Q4_K_M (llama.cpp's mix of Q4_K, Q5_K and Q6_K), Q8_0, Q4_0, Q4_K, Q5_K, Q6_K;
+    /// a ROCmFP4 preset of the ROCmFPX fork, which mixes types 100 (a scale per 16 weights) and
+    /// 101 (one per 32) with Q5_K/Q6_K per tensor role as the fork does: Q4_0_ROCMFP4,
+    /// Q4_0_ROCMFP4_LEAN, _COHERENT, _FAST, _FAST_COHERENT, _STRIX, _STRIX_LEAN (or `--to ROCMFP4
+    /// --preset STRIX_LEAN`); Q4_0_ROCMFP4_EVEN / Q4_0_ROCMFP4_FAST_EVEN for one type throughout.
+    /// NVFP4 for safetensors (NVIDIA ModelOpt's layout: attention and MLP projections, the rest
+    /// kept).
     #[arg(long)]
     to: String,
+    /// With `--to ROCMFP4`: the fork's preset (BASE, LEAN, COHERENT, FAST, FAST_COHERENT, STRIX,
+    /// STRIX_LEAN, EVEN, FAST_EVEN). STRIX_SAFE and STRIX_BALANCED are names of community model
+    /// uploads, not presets of the fork's source.
+    #[arg(long)]
+    preset: Option<String>,
     /// The GGUF file to write (NVFP4: a new directory).
     #[arg(short, long)]
     output: PathBuf,
@@ -28,7 +37,13 @@ pub struct QuantizeArgs {
 
 pub fn run(args: &QuantizeArgs) -> Result<()> {
     let nvfp4 = args.to.eq_ignore_ascii_case("nvfp4");
-    let to = if nvfp4 { None } else { Some(parse_target(&args.to)?) };
+    let target = match &args.preset {
+        None => args.to.clone(),
+        Some(p) if args.to.eq_ignore_ascii_case("rocmfp4") && p.eq_ignore_ascii_case("base") => "Q4_0_ROCMFP4".into(),
+        Some(p) if args.to.eq_ignore_ascii_case("rocmfp4") => format!("Q4_0_ROCMFP4_{p}"),
+        Some(_) => return Err(Error::InvalidArgument("--preset goes with --to ROCMFP4".into())),
+    };
+    let to = if nvfp4 { None } else { Some(parse_target(&target)?) };
     if args.output.canonicalize().ok() == Some(args.model.canonicalize().map_err(|e| Error::io(&args.model, e))?) {
         return Err(Error::InvalidArgument("the output would overwrite the input".into()));
     }
