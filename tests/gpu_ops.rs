@@ -323,6 +323,11 @@ fn attention_prefill_then_decode() {
     }
 }
 
+/// Greedy generation of `max_tokens` tokens, end-of-sequence ignored.
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None }
+}
+
 fn fixture(name: &str) -> PathBuf {
     // The test binary may run on another machine, from the repository root.
     let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -349,15 +354,7 @@ fn fixture_models_match_the_cpu() {
         let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / max_ref;
         println!("{name}: GPU vs CPU logits relative error {err:.2e}");
         assert!(err < 2e-2, "{name}: relative error {err}");
-        let req = GenerateRequest {
-            prompt: ids("tokens"),
-            max_tokens: Some(16),
-            sampling: Default::default(),
-            stop: vec![],
-            ignore_eos: true,
-            grammar: None,
-            logprobs: None,
-        };
+        let req = greedy(ids("tokens"), 16);
         // Decode steps after the first are replays of a recorded graph: same tokens as transformers.
         let gen = on_gpu.generate_raw(&req).unwrap();
         if check_greedy {
@@ -604,7 +601,7 @@ fn constrained_greedy_answers_match_on_cpu_and_gpu() {
     let biased = |device| {
         let mut engine = Engine::load(&EngineOptions { device, ..EngineOptions::new(fixture("chat_tiny")) }, &mut |_| {}).unwrap();
         let prompt = engine.tokenizer().unwrap().encode("hello").unwrap();
-        let mut req = GenerateRequest { prompt, max_tokens: Some(6), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+        let mut req = greedy(prompt, 6);
         let plain = engine.generate(&req, &mut |_| true).unwrap().tokens;
         req.sampling.logit_bias = vec![(plain[0], -100.0), (plain[0] + 1, 50.0)];
         let banned = engine.generate(&req, &mut |_| true).unwrap().tokens;
@@ -914,11 +911,11 @@ fn hybrid_fixture_models_match_the_goldens_and_the_cpu() {
 
         // Greedy decoding (steps after the first replay a recorded graph): the CPU's tokens.
         for prompt in [&short, &long] {
-            let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+            let req = greedy(prompt.clone(), 16);
             let want = on_cpu.generate_raw(&req).unwrap().tokens;
             assert_eq!(on_gpu.generate_raw(&req).unwrap().tokens, want, "{name}: greedy tokens on the GPU, {} prompt tokens", prompt.len());
         }
-        let req = GenerateRequest { prompt: short.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+        let req = greedy(short.clone(), 16);
         let gen = on_gpu.generate_raw(&req).unwrap();
         assert_eq!(gen.tokens, ids(&golden, "greedy"), "{name}: greedy tokens on the GPU");
         // The same prompt again starts the recurrent states afresh (new caches, so a new recording).
@@ -1182,7 +1179,7 @@ fn moe_fixture_models_match_the_golden_and_the_cpu() {
         // Greedy decoding (one-token expert GEMVs, the experts chosen on the device in replayed
         // steps): the CPU's tokens, from a prefilled prompt or one fed token by token.
         let prompt = ids(&golden, "tokens");
-        let req = GenerateRequest { prompt: prompt.clone(), max_tokens: Some(16), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+        let req = greedy(prompt.clone(), 16);
         let want = on_cpu.generate_raw(&req).unwrap().tokens;
         let got = if prefill {
             on_gpu.generate_raw(&req).unwrap().tokens
@@ -1329,16 +1326,7 @@ fn check_quantized_greedy(name: &str, path: &std::path::Path, prompt: &[u32]) {
     assert!(on_gpu.report().device.starts_with("cuda"), "{}", on_gpu.report().device);
     let err = relative_error(&on_gpu.logits(prompt).unwrap(), &on_cpu.logits(prompt).unwrap());
     assert!(err < 2e-2, "{name}: prompt logits relative error {err}");
-    let req = GenerateRequest {
-        prompt: prompt.to_vec(),
-        max_tokens: Some(16),
-        sampling: Default::default(),
-        stop: vec![],
-        ignore_eos: true,
-        grammar: None,
-        logprobs: None,
-    };
-    let tokens = on_gpu.generate_raw(&req).unwrap().tokens;
+    let tokens = on_gpu.generate_raw(&greedy(prompt.to_vec(), 16)).unwrap().tokens;
     let mut history = prompt.to_vec();
     history.extend_from_slice(&tokens[..tokens.len() - 1]);
     let all = on_cpu.logits_all(&history).unwrap();

@@ -403,17 +403,6 @@ mod tests {
     use super::super::GgmlMatrix;
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-    }
-
     /// Every format, packed, decodes to exactly the values of the file's own blocks.
     #[test]
     fn packed_rows_decode_to_the_blocks_values() {
@@ -442,10 +431,10 @@ mod tests {
 
     #[test]
     fn nvfp4_safetensors_rows_decode_to_their_values() {
-        let mut rng = Rng(11);
+        let mut rng = crate::sampling::Rng::new(11);
         let (rows, cols) = (3, 96);
-        let codes: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-        let scales: Vec<u8> = (0..rows * cols / 16).map(|_| (rng.next() % 0x7E) as u8).collect();
+        let codes: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
+        let scales: Vec<u8> = (0..rows * cols / 16).map(|_| (rng.next_u64() % 0x7E) as u8).collect();
         let m = Nvfp4Matrix::new(rows, cols, codes, scales, 0.37).unwrap();
         let packed = pack(&m, None).unwrap().unwrap();
         let (mut want, mut got) = (vec![0f32; cols], vec![f32::NAN; cols]);
