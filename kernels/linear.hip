@@ -490,7 +490,8 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     float scale;
     const uint2* xs = (const uint2*)fp8_gemv_input(x, norm_w, eps, K, PK_STEP, &scale);
 
-    float acc[TILES][4] = {};
+    // The lower and the upper values' products in two accumulators: two chains of dependent mma.
+    float acc[TILES][4] = {}, acc_hi[TILES][4] = {};
     auto consume = [&](const PkStage<F, TILES>& st, int step) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -528,7 +529,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
                         pk_scaled_pairs(hi[h], s_hi[h], o_hi[h], b[h]);
                     }
                     f16_rows_mma(acc[i], a[0][0], a[1][0], a[0][1], a[1][1], xl.x, xl.y);
-                    f16_rows_mma(acc[i], b[0][0], b[1][0], b[0][1], b[1][1], xh.x, xh.y);
+                    f16_rows_mma(acc_hi[i], b[0][0], b[1][0], b[0][1], b[1][1], xh.x, xh.y);
 #else
                     const float xlv[4] = {f16_to_f32(xl.x & 0xffffu), f16_to_f32(xl.x >> 16), f16_to_f32(xl.y & 0xffffu), f16_to_f32(xl.y >> 16)};
                     const float xhv[4] = {f16_to_f32(xh.x & 0xffffu), f16_to_f32(xh.x >> 16), f16_to_f32(xh.y & 0xffffu), f16_to_f32(xh.y >> 16)};
@@ -554,7 +555,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     }
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
-        const float row_g = fp8_quad_total(acc[i][0]), row_g8 = fp8_quad_total(acc[i][2]);
+        const float row_g = fp8_quad_total(acc[i][0] + acc_hi[i][0]), row_g8 = fp8_quad_total(acc[i][2] + acc_hi[i][2]);
         if (t == 0) {
             sums[unit][i][g] = row_g;
             sums[unit][i][g + 8] = row_g8;

@@ -6,10 +6,12 @@
 # file: pp512, pp4096, tg128, and tg128 at depth 8192. Steps whose output exists are skipped, so
 # a second call on a warm machine resumes.
 #
+# ATLAS_ONLY=1 skips llama-bench (llama-quantize still writes the files).
+#
 # Usage: scripts/bench_vs_llama.sh ATLAS_BIN LLAMA_SRC MAKE_RANDOM_QWEN3_GGUF_PY WORK_DIR TYPE...
 #   e.g. scripts/bench_vs_llama.sh devbin/atlas devbin/llama.cpp devbin/make_random_qwen3_gguf.py /tmp/bench Q4_K_M Q8_0
 set -euo pipefail
-[[ $# -ge 5 ]] || { sed -n 2,11p "$0"; exit 2; }
+[[ $# -ge 5 ]] || { sed -n 2,13p "$0"; exit 2; }
 atlas=$(realpath "$1") src=$(realpath "$2") maker=$(realpath "$3") work=$4
 shift 4
 mkdir -p "$work"
@@ -40,6 +42,7 @@ for type in "$@"; do
     echo "== $type ($(du -h "$file" | cut -f1)): Atlas"
     "$atlas" bench -m "$file" -c 8448 -p 512,4096 -n 128 -r 3
     "$atlas" bench -m "$file" -c 8448 -p 0 -n 128 -d 8192 -r 2
+    [[ ${ATLAS_ONLY:-0} == 1 ]] && continue
     echo "== $type: llama.cpp"
     "$build/bin/llama-bench" -m "$file" -ngl 99 -fa 1 -p 512,4096 -n 128 -r 3
     "$build/bin/llama-bench" -m "$file" -ngl 99 -fa 1 -p 0 -n 128 -d 8192 -r 2

@@ -112,8 +112,9 @@ template <int F>
 __device__ __forceinline__ uint4 pk_meta(const unsigned char* meta, long run) {
     typedef PkTraits<F> T;
     const unsigned char* m = meta + (run / T::MRUNS) * T::MBYTES;
-    if (F == PK_Q4_K || F == PK_Q5_K) {
-        const unsigned int* w = (const unsigned int*)m;
+    if (F == PK_Q4_K) return *(const uint4*)m;  // 16-byte groups after 16-byte aligned planes
+    if (F == PK_Q5_K) {
+        const unsigned int* w = (const unsigned int*)m;  // its high-bits plane leaves 4-byte alignment
         return make_uint4(w[0], w[1], w[2], w[3]);
     }
     if (F == PK_Q6_K) {
@@ -148,11 +149,6 @@ __device__ __forceinline__ float pk_rocmfp4_scale(unsigned int x) {
     return __uint_as_float(((exp + 119) << 23) | (man << 20));
 }
 
-__device__ __forceinline__ unsigned int pk_byte(const uint4& r, int i) {
-    const unsigned int w = i < 4 ? r.x : i < 8 ? r.y : i < 12 ? r.z : r.w;
-    return (w >> (8 * (i & 3))) & 0xffu;
-}
-
 // Run j (0-based in its meta group) of the group whose words pk_meta loaded.
 template <int F>
 __device__ __forceinline__ PkScales pk_scales(const uint4& r, int j) {
@@ -163,15 +159,12 @@ __device__ __forceinline__ PkScales pk_scales(const uint4& r, int j) {
         s.s_lo = s.s_hi = pk_f16(r.x);
         s.o_lo = s.o_hi = -pk_f16(r.x >> 16);
     } else if (F == PK_Q4_K || F == PK_Q5_K) {
-        // ggml's get_scale_min_k4 over the 12 scale bytes (bytes 4..16 of the group).
-        unsigned int sc, mn;
-        if (j < 4) {
-            sc = pk_byte(r, 4 + j) & 63;
-            mn = pk_byte(r, 8 + j) & 63;
-        } else {
-            sc = (pk_byte(r, 8 + j) & 15) | ((pk_byte(r, j) >> 6) << 4);
-            mn = (pk_byte(r, 8 + j) >> 4) | ((pk_byte(r, 4 + j) >> 6) << 4);
-        }
+        // ggml's get_scale_min_k4 over the 12 scale bytes (words 1-3 of the group): runs j and
+        // j + 4 use byte j & 3 of each word.
+        const int shift = 8 * (j & 3);
+        const unsigned int b1 = (r.y >> shift) & 0xffu, b2 = (r.z >> shift) & 0xffu, b3 = (r.w >> shift) & 0xffu;
+        const unsigned int sc = j < 4 ? b1 & 63 : (b3 & 15) | ((b1 >> 6) << 4);
+        const unsigned int mn = j < 4 ? b2 & 63 : (b3 >> 4) | ((b2 >> 6) << 4);
         s.s_lo = s.s_hi = pk_f16(r.x) * (float)sc;
         s.o_lo = s.o_hi = pk_f16(r.x >> 16) * (float)mn;
     } else if (F == PK_Q6_K) {
@@ -179,7 +172,7 @@ __device__ __forceinline__ PkScales pk_scales(const uint4& r, int j) {
         s.s_lo = d * (float)(signed char)(r.x & 0xffu);
         s.s_hi = d * (float)(signed char)((r.x >> 8) & 0xffu);
     } else if (F == PK_IQ4_XS) {
-        const unsigned int low = (pk_byte(r, 4 + j / 2) >> (4 * (j % 2))) & 15;
+        const unsigned int low = (r.y >> (4 * j)) & 15;  // nibble j of scales_l
         const unsigned int high = ((r.x >> 16) >> (2 * j)) & 3;
         s.s_lo = s.s_hi = pk_f16(r.x) * (float)((int)(low | (high << 4)) - 32);
     } else if (F == PK_MXFP4) {

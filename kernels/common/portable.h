@@ -82,11 +82,15 @@ __device__ __forceinline__ unsigned int bf16x2_pack(float lo, float hi) {
 }
 
 // f16 <-> f32 (no cuda_fp16.h / hip_fp16.h): two floats to a packed pair (lo in the low half),
-// rounded to nearest even, and one half back.
+// rounded to nearest even (one instruction on NVIDIA sm_80+), and one half back.
 __device__ __forceinline__ unsigned int f16x2_pack(float lo, float hi) {
 #if defined(ATLAS_HIP)
     return (unsigned int)__builtin_bit_cast(unsigned short, (_Float16)lo) |
            ((unsigned int)__builtin_bit_cast(unsigned short, (_Float16)hi) << 16);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned int r;  // one instruction, the same rounding
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 #else
     unsigned int r;
     asm("{ .reg .f16 l, h;\n cvt.rn.f16.f32 l, %1;\n cvt.rn.f16.f32 h, %2;\n mov.b32 %0, {l, h}; }"
