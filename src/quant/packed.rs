@@ -43,7 +43,7 @@ impl std::fmt::Debug for PackedMatrix {
 }
 
 /// High bits per value beyond the four of the codes plane.
-pub fn high_bits(format: GgmlFormat) -> usize {
+fn high_bits(format: GgmlFormat) -> usize {
     match format {
         GgmlFormat::Q8_0 => 4,
         GgmlFormat::Q6_K => 2,
@@ -53,7 +53,7 @@ pub fn high_bits(format: GgmlFormat) -> usize {
 }
 
 /// (runs, bytes) of one group of the meta plane.
-pub fn meta_group(format: GgmlFormat) -> (usize, usize) {
+fn meta_group(format: GgmlFormat) -> (usize, usize) {
     match format {
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => (8, 16),
         GgmlFormat::Q6_K => (8, 18),
@@ -77,17 +77,17 @@ pub fn plane_offsets(format: GgmlFormat, rows: usize, cols: usize) -> Option<(us
 }
 
 /// Whether a matrix of `cols` values a row can be packed: whole runs, and whole meta groups.
-pub fn packable(format: GgmlFormat, cols: usize) -> bool {
+fn packable(format: GgmlFormat, cols: usize) -> bool {
     cols > 0 && cols % (RUN * meta_group(format).0) == 0
 }
 
 /// One run's scale and offset for its first and its last 16 values.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RunScales {
-    pub s_lo: f32,
-    pub o_lo: f32,
-    pub s_hi: f32,
-    pub o_hi: f32,
+struct RunScales {
+    s_lo: f32,
+    o_lo: f32,
+    s_hi: f32,
+    o_hi: f32,
 }
 
 impl RunScales {
@@ -101,7 +101,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// The scales of run `j` (0-based within its meta group `m`), times `factor` where the format has one.
-pub fn run_scales(format: GgmlFormat, m: &[u8], j: usize, factor: f32) -> RunScales {
+fn run_scales(format: GgmlFormat, m: &[u8], j: usize, factor: f32) -> RunScales {
     match format {
         GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL => RunScales::same(f16_at(m, 0), 0.0),
         GgmlFormat::Q4_1 => RunScales::same(f16_at(m, 0), -f16_at(m, 2)),
@@ -138,7 +138,7 @@ pub fn run_scales(format: GgmlFormat, m: &[u8], j: usize, factor: f32) -> RunSca
 }
 
 /// The level of a code (low 4 bits | high bits << 4).
-pub fn level(format: GgmlFormat, q: u8) -> f32 {
+fn level(format: GgmlFormat, q: u8) -> f32 {
     match format {
         GgmlFormat::Q8_0 => (q as i32 - 128) as f32,
         GgmlFormat::Q4_0 => (q as i32 - 8) as f32,

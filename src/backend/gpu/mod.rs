@@ -128,14 +128,19 @@ impl GpuWeight {
         matches!(self.format, WeightFormat::Bf16)
     }
 
-    /// Kernel name for this format: `{stem}_bf16`, `{stem}_fp8` or `{stem}_q4_k` (and so on).
-    fn kernel(&self, stem: &str) -> String {
-        let suffix = match self.format {
+    /// The format's kernel suffix: `bf16`, `fp8` or `q4_k` (and so on); weights with the same
+    /// suffix share a launch.
+    fn suffix(&self) -> &'static str {
+        match self.format {
             WeightFormat::Bf16 => "bf16",
             WeightFormat::Fp8 { .. } => "fp8",
             WeightFormat::Packed(f) => packed_kernel(f).1,
-        };
-        format!("{stem}_{suffix}")
+        }
+    }
+
+    /// Kernel name for this format: `{stem}_bf16`, `{stem}_fp8` or `{stem}_q4_k` (and so on).
+    fn kernel(&self, stem: &str) -> String {
+        format!("{stem}_{}", self.suffix())
     }
 
     /// The one-token kernels' launch for `rows` outputs over this weight format: grid, block and
@@ -931,7 +936,7 @@ impl Backend for GpuBackend {
             && projs.iter().all(|p| {
                 p.weight.cols == x.cols
                     && p.weight.gemv1_fits(true, self.rt.max_shared_bytes())
-                    && p.weight.kernel("gemv1") == projs[0].weight.kernel("gemv1")
+                    && p.weight.suffix() == projs[0].weight.suffix()
             });
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
@@ -961,7 +966,7 @@ impl Backend for GpuBackend {
             && g.cols == x.cols
             && (u.rows, u.cols) == (g.rows, g.cols)
             && g.gemv1_fits(true, self.rt.max_shared_bytes())
-            && g.kernel("gemv1") == u.kernel("gemv1");
+            && g.suffix() == u.suffix();
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
             let gv = self.linear(&xn, g, gate.bias)?;

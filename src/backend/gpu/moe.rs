@@ -186,7 +186,7 @@ impl GpuBackend {
         routing: Routing,
     ) -> Result<()> {
         let (h, i) = (ex.hidden, ex.inter);
-        let same = |w: &GpuWeight, rows, cols| (w.rows, w.cols) == (rows, cols) && w.kernel("") == if ex.fp8 { "_fp8" } else { "_bf16" };
+        let same = |w: &GpuWeight, rows, cols| (w.rows, w.cols) == (rows, cols) && w.suffix() == if ex.fp8 { "fp8" } else { "bf16" };
         let shared_fits = shared.as_ref().is_none_or(|s| {
             same(&s.mlp.gate, i, h) && same(&s.mlp.up, i, h) && same(&s.mlp.down, h, i) && s.gate_logits.rows * s.gate_logits.cols == 1
         });
