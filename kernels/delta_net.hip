@@ -1,7 +1,7 @@
 // Gated DeltaNet (Qwen3.5 / Qwen3.6 linear-attention layers): the causal convolution with state and
-// the recurrent gated delta rule, computed as the CPU reference does (src/backend/cpu/mod.rs;
-// the maths in tests/fixtures/HYBRID_NOTES.md §3.3). The gated RMSNorm is in norm.hip, the sigmoid
-// gate in elementwise.hip.
+// the gated delta rule, recurrent (decode, as the CPU reference computes it: src/backend/cpu/mod.rs;
+// the maths in tests/fixtures/HYBRID_NOTES.md §3.3) and chunked (prefill). The gated RMSNorm is in
+// norm.hip, the sigmoid gate in elementwise.hip.
 #include "common/portable.h"
 
 // conv1d_silu: causal depthwise convolution over time, then SiLU, continuing from a state.
@@ -74,6 +74,12 @@ ATLAS_KERNEL void conv1d_silu(const float* x, const float* weight, float* state,
 #define DN_ROWS (DN_MAX_DK / DN_SPLIT)
 #define DN_LOADS (DN_MAX_DK / DN_THREADS)
 #define DN_MAX_WARPS (DN_THREADS / 32)
+
+// log(decay) of a token: −exp(A_log) · softplus(a + dt_bias), softplus linear above 20. `rate` is
+// −exp(A_log), `g_in` is a + dt_bias.
+__device__ __forceinline__ float dn_log_decay(float rate, float g_in) {
+    return rate * (g_in > 20.0f ? g_in : log1pf(expf(g_in)));
+}
 
 // Sum over the DN_SPLIT consecutive threads of one column (aligned groups inside a warp).
 __device__ __forceinline__ float column_sum(float v) {
@@ -151,8 +157,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
         }
         const float inv_q = 1.0f / sqrtf(sq + 1e-6f), inv_k = 1.0f / sqrtf(sk + 1e-6f);
         const float beta = 1.0f / (1.0f + expf(-b_t));
-        const float g_in = a_t + bias;
-        const float decay = expf(rate * (g_in > 20.0f ? g_in : log1pf(expf(g_in))));
+        const float decay = expf(dn_log_decay(rate, a_t + bias));
         const float* qs = raw[p][0];
         const float* ks = raw[p][1];
 
@@ -185,5 +190,336 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
     for (int m = 0; m < DN_ROWS; m++) {
         const int i = part + m * DN_SPLIT;
         if (has_col && i < dk) S[(long)i * dv + j] = s[m];
+    }
+}
+
+// ---- The chunked form (prefill): the same rule over chunks of DC_CHUNK tokens, the work inside a
+// chunk as small matrix products that do not wait on each other token by token.
+// Within a chunk of L tokens, per value head, with k̂ and q̂ normalised (q̂ scaled by dk^-1/2), β_t,
+// γ_t = Σ_{s≤t} log decay_s (from the chunk's start), Γ_t = exp(γ_t), S₀ the state before it:
+//   A[t][s] = β_t · exp(γ_t − γ_s) · k̂_t·k̂_s for s < t (0 elsewhere), T = (I + A)⁻¹ (unit lower),
+//   W = T · diag(β Γ) · K̂ [L, dk],   Ũ = T · diag(β) · V [L, dv],
+//   U = Ũ − W · S₀ (the β-scaled deltas every token writes: u_t = β_t (v_t − S_{t−1}'ᵀ k̂_t)),
+//   o_t = Γ_t · S₀ᵀ q̂_t + Σ_{s≤t} exp(γ_t − γ_s) (q̂_t·k̂_s) u_s,
+//   S_L = Γ_L · S₀ + Σ_s exp(γ_L − γ_s) k̂_s u_sᵀ.
+// Every exp above is of a non-positive number. delta_chunk_prep computes what does not depend on
+// the state (every chunk at once); delta_chunk_scan then walks the chunks in order per head with
+// the state. Both take a slice of the sequence (T tokens); their scratch is laid out per slice:
+// qn, kn [Hk, T, dk]; w [Hv, T, dk]; u [Hv, T, dv]; p [Hv, ceil(T / DC_CHUNK), DC_CHUNK, DC_CHUNK]
+// (P[t][s] = exp(γ_t − γ_s) q̂_t·k̂_s for s ≤ t); gam [Hv, T] (γ). Needs dk <= DC_MAX_DK.
+#define DC_CHUNK 64
+#define DC_THREADS 256
+#define DC_MAX_DK 128
+#define DC_COLS 32
+#define DC_MP (DC_CHUNK + 1)
+
+// delta_chunk_prep: one block per (value head, chunk). Dynamic shared memory, in floats:
+// DC_CHUNK·(dk + 1) (k̂) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a time, then A, then T in place)
+// + 4·DC_CHUNK (β, γ, βΓ, q's scale). Only the first value head of each key head writes qn and kn.
+// Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+    delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
+                     float* qn, float* kn, float* w, float* u, float* p, float* gam, int T, int key_heads,
+                     int value_heads, int dk, int dv) {
+    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
+    const int h = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x;
+    const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
+    const int ratio = value_heads / key_heads, kh = h / ratio;
+    const bool owner = h % ratio == 0;
+    const int ks = dk + 1;
+    float* kS = dc_smem;
+    float* M = kS + DC_CHUNK * ks;
+    float* beta = M + DC_CHUNK * DC_MP;
+    float* gm = beta + DC_CHUNK;
+    float* bgam = gm + DC_CHUNK;
+    float* invq = bgam + DC_CHUNK;
+    const long width = 2L * key_heads * dk + (long)value_heads * dv;
+    const long q_at = (long)kh * dk, k_at = (long)key_heads * dk + q_at, v_at = 2L * key_heads * dk + (long)h * dv;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    const float rate = -expf(a_log[h]), bias = dt_bias[h];
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = DC_THREADS / WARP_SIZE;
+
+    // 1. k̂ into shared memory (rows past L zero), q̂ and k̂ to the scratch, β and log decays.
+    for (int r = warp; r < DC_CHUNK; r += warps) {
+        const long t = t0 + r;
+        if (r >= L) {
+            for (int e = lane; e < dk; e += WARP_SIZE) kS[r * ks + e] = 0.0f;
+            if (lane == 0) beta[r] = gm[r] = invq[r] = 0.0f;
+            continue;
+        }
+        const float* row = qkv + t * width;
+        float sq = 0.0f, sk = 0.0f;
+        for (int e = lane; e < dk; e += WARP_SIZE) {
+            sq += row[q_at + e] * row[q_at + e];
+            sk += row[k_at + e] * row[k_at + e];
+        }
+        const float iq = q_scale / sqrtf(warp_sum(sq) + 1e-6f), ik = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+        for (int e = lane; e < dk; e += WARP_SIZE) {
+            const float kv = row[k_at + e] * ik;
+            kS[r * ks + e] = kv;
+            if (owner) {
+                kn[((long)kh * T + t) * dk + e] = kv;
+                qn[((long)kh * T + t) * dk + e] = row[q_at + e] * iq;
+            }
+        }
+        if (lane == 0) {
+            invq[r] = iq;
+            beta[r] = 1.0f / (1.0f + expf(-b[t * value_heads + h]));
+            gm[r] = dn_log_decay(rate, a[t * value_heads + h] + bias);
+        }
+    }
+    __syncthreads();
+    // 2. γ: the running sum of log decays (rows past L keep the last).
+    if (tid == 0) {
+        float run = 0.0f;
+        for (int r = 0; r < DC_CHUNK; r++) {
+            run += gm[r];
+            gm[r] = run;
+        }
+    }
+    __syncthreads();
+    if (tid < DC_CHUNK) {
+        bgam[tid] = beta[tid] * expf(gm[tid]);
+        if (tid < L) gam[(long)h * T + t0 + tid] = gm[tid];
+    }
+
+    // 3. Gram k̂·k̂ and q̂·k̂, a 4×4 tile of the 64×64 each per thread; q̂ staged through M, 64
+    // columns at a time.
+    const int tr = tid / 16, tc = tid % 16;
+    float ga[4][4], pa[4][4];
+#pragma unroll
+    for (int x = 0; x < 4; x++)
+#pragma unroll
+        for (int y = 0; y < 4; y++) ga[x][y] = pa[x][y] = 0.0f;
+    for (int e0 = 0; e0 < dk; e0 += DC_CHUNK) {
+        __syncthreads();
+        for (int idx = tid; idx < DC_CHUNK * DC_CHUNK; idx += DC_THREADS) {
+            const int r = idx / DC_CHUNK, e = e0 + idx % DC_CHUNK;
+            M[r * DC_MP + idx % DC_CHUNK] = r < L && e < dk ? qkv[(t0 + r) * width + q_at + e] * invq[r] : 0.0f;
+        }
+        __syncthreads();
+        const int e1 = min(dk, e0 + DC_CHUNK);
+        for (int e = e0; e < e1; e++) {
+            float kr[4], kc[4], qr[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                kr[x] = kS[(4 * tr + x) * ks + e];
+                kc[x] = kS[(4 * tc + x) * ks + e];
+                qr[x] = M[(4 * tr + x) * DC_MP + e - e0];
+            }
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    ga[x][y] += kr[x] * kc[y];
+                    pa[x][y] += qr[x] * kc[y];
+                }
+        }
+    }
+    __syncthreads();
+    float* pc = p + ((long)h * gridDim.y + chunk) * DC_CHUNK * DC_CHUNK;
+#pragma unroll
+    for (int x = 0; x < 4; x++)
+#pragma unroll
+        for (int y = 0; y < 4; y++) {
+            const int t = 4 * tr + x, s = 4 * tc + y;
+            const bool in = t < L && s <= t;
+            const float decay = in ? expf(gm[t] - gm[s]) : 0.0f;
+            pc[t * DC_CHUNK + s] = in ? pa[x][y] * decay : 0.0f;
+            M[t * DC_MP + s] = in && s < t ? beta[t] * decay * ga[x][y] : 0.0f;
+        }
+    __syncthreads();
+
+    // 4. T = (I + A)⁻¹ in place, row by row (forward substitution; the unit diagonal implicit):
+    // T[s][j] = −(A[s][j] + Σ_{j<r<s} A[s][r] T[r][j]). Four threads per column j.
+    {
+        const int j = tid / 4, part = tid % 4;
+        for (int s = 1; s < L; s++) {
+            float acc = 0.0f;
+            if (j < s)
+                for (int r = j + 1 + part; r < s; r += 4) acc += M[s * DC_MP + r] * M[r * DC_MP + j];
+            acc += shfl_xor(acc, 1);
+            acc += shfl_xor(acc, 2);
+            const float next = j < s ? -(M[s * DC_MP + j] + acc) : 0.0f;
+            __syncthreads();
+            if (j < s && part == 0) M[s * DC_MP + j] = next;
+            __syncthreads();
+        }
+    }
+
+    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, 128 columns at a time: a thread takes rows
+    // rg + 8m and columns cl + 32n.
+    const int rg = tid / 32, cl = tid % 32;
+    auto triangular_product = [&](bool is_w, int base) {
+        const int n_cols = is_w ? dk : dv;
+        float acc[8][4];
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+#pragma unroll
+            for (int n = 0; n < 4; n++) acc[m][n] = 0.0f;
+        for (int r = 0; r < L; r++) {
+            float x[4];
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                const int e = base + cl + 32 * n;
+                x[n] = e >= n_cols ? 0.0f : is_w ? kS[r * ks + e] * bgam[r] : qkv[(t0 + r) * width + v_at + e] * beta[r];
+            }
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                const int t = rg + 8 * m;
+                const float tv = t == r ? 1.0f : r < t ? M[t * DC_MP + r] : 0.0f;
+#pragma unroll
+                for (int n = 0; n < 4; n++) acc[m][n] += tv * x[n];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            const int t = rg + 8 * m;
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                const int e = base + cl + 32 * n;
+                if (t >= L || e >= n_cols) continue;
+                if (is_w) w[((long)h * T + t0 + t) * dk + e] = acc[m][n];
+                else u[((long)h * T + t0 + t) * dv + e] = acc[m][n];
+            }
+        }
+    };
+    for (int base = 0; base < dk; base += 128) triangular_product(true, base);
+    for (int base = 0; base < dv; base += 128) triangular_product(false, base);
+}
+
+// delta_chunk_scan: the chunks in order with the state, DC_COLS value columns of one head per
+// block (columns of S are independent). Per chunk: U = Ũ − W·S; o = Γ ⊙ (q̂·S) + P·U; S ← Γ_L·S
+// + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. The state slice S [dk, DC_COLS] stays in shared memory;
+// W, q̂, P and K̃ pass through one buffer [DC_CHUNK, bs] (bs = max(dk, DC_CHUNK) + 4), U through
+// another. Dynamic shared memory, in floats: dk·DC_COLS + DC_CHUNK·bs + DC_CHUNK·DC_COLS +
+// DC_CHUNK. A thread owns outputs (rows tr, tr + 32; columns 4tc .. 4tc + 3) of U and o, and of S
+// rows tr + 32m.
+// Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+    delta_chunk_scan(const float* qn, const float* kn, const float* w, const float* u, const float* p,
+                     const float* gam, float* state, float* out, int T, int key_heads, int value_heads, int dk,
+                     int dv) {
+    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, tid = threadIdx.x;
+    const int kh = h / (value_heads / key_heads);
+    const int bs = max(dk, DC_CHUNK) + 4;
+    float* S = dc_smem;
+    float* buf = S + dk * DC_COLS;
+    float* Us = buf + DC_CHUNK * bs;
+    float* g = Us + DC_CHUNK * DC_COLS;
+    float* Sg = state + (long)h * dk * dv;
+    const int tr = tid / 8, tc = tid % 8, jc = 4 * tc;
+
+    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
+        S[idx] = j < dv ? Sg[(long)i * dv + j] : 0.0f;
+    }
+    // Rows [t0, t0 + L) of a [.., T, dk] scratch into buf, scaled per row; past L, zero.
+    auto stage = [&](const float* src, int t0, int L, bool decayed) {
+        const float g_last = decayed ? g[L - 1] : 0.0f;
+        for (int idx = tid; idx < DC_CHUNK * dk; idx += DC_THREADS) {
+            const int r = idx / dk, e = idx % dk;
+            float v = r < L ? src[(long)(t0 + r) * dk + e] : 0.0f;
+            if (decayed && r < L) v *= expf(g_last - g[r]);
+            buf[r * bs + e] = v;
+        }
+    };
+    // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x].
+    auto times_state = [&](float acc[2][4]) {
+        for (int i = 0; i < dk; i++) {
+            const float4 sv = *(const float4*)&S[i * DC_COLS + jc];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const float bv = buf[(tr + 32 * m) * bs + i];
+                acc[m][0] += bv * sv.x;
+                acc[m][1] += bv * sv.y;
+                acc[m][2] += bv * sv.z;
+                acc[m][3] += bv * sv.w;
+            }
+        }
+    };
+
+    for (int t0 = 0, chunk = 0; t0 < T; t0 += DC_CHUNK, chunk++) {
+        const int L = min(DC_CHUNK, T - t0);
+        __syncthreads();  // the previous chunk is done with buf, Us and g
+        if (tid < DC_CHUNK) g[tid] = gam[(long)h * T + t0 + min(tid, L - 1)];
+        for (int idx = tid; idx < DC_CHUNK * DC_COLS; idx += DC_THREADS) {
+            const int r = idx / DC_COLS, j = j0 + idx % DC_COLS;
+            Us[idx] = r < L && j < dv ? u[((long)h * T + t0 + r) * dv + j] : 0.0f;
+        }
+        stage(w + (long)h * T * dk, t0, L, false);
+        __syncthreads();
+
+        // U = Ũ − W·S.
+        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        times_state(acc);
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) Us[(tr + 32 * m) * DC_COLS + jc + x] -= acc[m][x];
+        stage(qn + (long)kh * T * dk, t0, L, false);
+        __syncthreads();
+
+        // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
+        float o[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        times_state(o);
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const float gamma_t = expf(g[tr + 32 * m]);
+#pragma unroll
+            for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
+        }
+        __syncthreads();
+        const float* pc = p + ((long)h * ((T + DC_CHUNK - 1) / DC_CHUNK) + chunk) * DC_CHUNK * DC_CHUNK;
+        for (int idx = tid; idx < DC_CHUNK * DC_CHUNK; idx += DC_THREADS) buf[(idx / DC_CHUNK) * bs + idx % DC_CHUNK] = pc[idx];
+        __syncthreads();
+        for (int s = 0; s < L; s++) {
+            const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const float pv = buf[(tr + 32 * m) * bs + s];
+                o[m][0] += pv * us.x;
+                o[m][1] += pv * us.y;
+                o[m][2] += pv * us.z;
+                o[m][3] += pv * us.w;
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const int t = tr + 32 * m;
+            if (t >= L) continue;
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+                if (j0 + jc + x < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + jc + x] = o[m][x];
+        }
+        __syncthreads();
+
+        // S ← Γ_L · S + K̃ᵀ · U.
+        stage(kn + (long)kh * T * dk, t0, L, true);
+        __syncthreads();
+        const float gamma_l = expf(g[L - 1]);
+        for (int i = tr; i < dk; i += 32) {
+            float4 sv = *(float4*)&S[i * DC_COLS + jc];
+            sv.x *= gamma_l;
+            sv.y *= gamma_l;
+            sv.z *= gamma_l;
+            sv.w *= gamma_l;
+            for (int s = 0; s < L; s++) {
+                const float kv = buf[s * bs + i];
+                const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
+                sv.x += kv * us.x;
+                sv.y += kv * us.y;
+                sv.z += kv * us.z;
+                sv.w += kv * us.w;
+            }
+            *(float4*)&S[i * DC_COLS + jc] = sv;
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
+        if (j < dv) Sg[(long)i * dv + j] = S[idx];
     }
 }

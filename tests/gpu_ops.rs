@@ -101,6 +101,7 @@ fn check(g: &GpuBackend, got: &GpuTensor, want: &CpuTensor, tol: f32, what: &str
     assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output");
     let max_ref = want.data.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
     let max_diff = got.iter().zip(&want.data).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!("{what}: relative error {:.2e}", max_diff / max_ref);
     assert!(max_diff / max_ref <= tol, "{what}: relative error {} > {tol}", max_diff / max_ref);
 }
 
@@ -761,8 +762,10 @@ fn gated_delta_rule_matches_the_cpu_and_carries_its_state() {
         check_state(&g, &gs, &cs, 1e-4, &what(6));
 
         // Then prefill and decode calls from that state; one token's a + dt_bias above 20 takes
-        // softplus's linear branch (and all but wipes that head's state).
-        for t in [37, 1, 70, 1] {
+        // softplus's linear branch (and all but wipes that head's state). From 64 tokens on, the
+        // chunked form (dk <= 128): one chunk and a part (70), whole chunks (64), several (200),
+        // and two slices of its scratch (1100 > 1024), each followed by a recurrent step.
+        for t in [37, 1, 70, 1, 64, 200, 1, 1100, 1] {
             let mut inputs = case.inputs(&mut rng, t);
             if t == 37 {
                 inputs.1[3 * hv] = 25.0;

@@ -1,6 +1,7 @@
 //! Launches of the Qwen3.5 hybrid ops (kernels/delta_net.hip, and the gated RMSNorm and sigmoid
-//! gate of norm.hip and elementwise.hip): the causal conv1d with state, the recurrent gated delta
-//! rule, the gated RMSNorm, the sigmoid gate. Called from the Backend impl in mod.rs.
+//! gate of norm.hip and elementwise.hip): the causal conv1d with state, the gated delta rule
+//! (recurrent for a few tokens, chunked for prefill), the gated RMSNorm, the sigmoid gate. Called
+//! from the Backend impl in mod.rs.
 //!
 //! None takes a position and none allocates outside `tensor` (the recording arena while a decode
 //! step is recorded) or downloads: they record into decode graphs as they are. The recurrent
@@ -17,8 +18,25 @@ const CONV_CHUNK: usize = 64;
 const DN_THREADS: u32 = 128;
 const DN_COLS: usize = 16;
 const DN_MAX_DK: usize = 256;
+const DC_CHUNK: usize = 64;
+const DC_THREADS: u32 = 256;
+const DC_MAX_DK: usize = 128;
+const DC_COLS: usize = 32;
+/// Tokens per pass of the chunked rule: its scratch (W, Ũ, q̂, k̂, P, γ: about 2·(dk + dv)·Hv
+/// floats a token) is sized for this many, whatever the prompt's length.
+const DC_SLICE: usize = 1024;
 /// Grid y and z extents are at most this.
 const MAX_GRID_YZ: usize = 65_535;
+
+/// Dynamic shared memory of delta_chunk_prep and delta_chunk_scan for key heads of `dk` (the
+/// sums in their header comments).
+fn chunked_shared_bytes(dk: usize) -> (usize, usize) {
+    let f32s = std::mem::size_of::<f32>();
+    let prep = DC_CHUNK * (dk + 1) + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
+    let buf_stride = dk.max(DC_CHUNK) + 4;
+    let scan = dk * DC_COLS + DC_CHUNK * buf_stride + DC_CHUNK * DC_COLS + DC_CHUNK;
+    (prep * f32s, scan * f32s)
+}
 
 /// A size as the kernels' 32-bit int, or an error naming it.
 fn int(what: &str, n: usize) -> Result<i32> {
@@ -99,6 +117,13 @@ impl GpuBackend {
         if t == 0 || hv == 0 || dv == 0 {
             return Ok(out);
         }
+        if t >= DC_CHUNK && dk <= DC_MAX_DK {
+            let (prep_shared, scan_shared) = chunked_shared_bytes(dk);
+            if prep_shared.max(scan_shared) <= self.rt.max_shared_bytes() as usize {
+                self.chunked_delta_rule(qkv, a, b, a_log, dt_bias, state, &out, shape)?;
+                return Ok(out);
+            }
+        }
         let args = [
             Arg::Ptr(qkv.buf.ptr),
             Arg::Ptr(a.buf.ptr),
@@ -115,6 +140,58 @@ impl GpuBackend {
         ];
         self.rt.launch("gated_delta_rule", [hv as u32, col_blocks as u32, 1], [DN_THREADS, 1, 1], 0, &args)?;
         Ok(out)
+    }
+
+    /// The chunked form (kernels/delta_net.hip, delta_chunk_prep then delta_chunk_scan) over
+    /// slices of at most DC_SLICE tokens, the state carried from slice to slice.
+    #[allow(clippy::too_many_arguments)]
+    fn chunked_delta_rule(
+        &self,
+        qkv: &GpuTensor,
+        a: &GpuTensor,
+        b: &GpuTensor,
+        a_log: &GpuTensor,
+        dt_bias: &GpuTensor,
+        state: &mut GpuTensor,
+        out: &GpuTensor,
+        shape: DeltaShape,
+    ) -> Result<()> {
+        let DeltaShape { key_heads: hk, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
+        let t = qkv.rows;
+        let slice = t.min(DC_SLICE);
+        let chunks = slice.div_ceil(DC_CHUNK);
+        let qn = self.tensor(hk * slice, dk)?;
+        let kn = self.tensor(hk * slice, dk)?;
+        let w = self.tensor(hv * slice, dk)?;
+        let u = self.tensor(hv * slice, dv)?;
+        let p = self.tensor(hv * chunks, DC_CHUNK * DC_CHUNK)?;
+        let gam = self.tensor(hv, slice)?;
+        int("gated delta rule scratch", hv * slice * dk.max(dv))?;
+        int("gated delta rule scratch", hv * chunks * DC_CHUNK * DC_CHUNK)?;
+        let (prep_shared, scan_shared) = chunked_shared_bytes(dk);
+        let f32s = std::mem::size_of::<f32>() as u64;
+        for start in (0..t).step_by(DC_SLICE) {
+            let len = (t - start).min(DC_SLICE);
+            let at = |x: &GpuTensor, cols: usize| Arg::Ptr(x.buf.ptr + (start * cols) as u64 * f32s);
+            let sizes = [len, hk, hv, dk, dv].map(|n| Arg::I32(n as i32));
+            let prep = [
+                vec![at(qkv, qkv.cols), at(a, hv), at(b, hv), Arg::Ptr(a_log.buf.ptr), Arg::Ptr(dt_bias.buf.ptr)],
+                [&qn, &kn, &w, &u, &p, &gam].map(|x| Arg::Ptr(x.buf.ptr)).to_vec(),
+                sizes.to_vec(),
+            ]
+            .concat();
+            let grid = [hv as u32, len.div_ceil(DC_CHUNK) as u32, 1];
+            self.rt.launch("delta_chunk_prep", grid, [DC_THREADS, 1, 1], prep_shared as u32, &prep)?;
+            let scan = [
+                [&qn, &kn, &w, &u, &p, &gam, &*state].map(|x| Arg::Ptr(x.buf.ptr)).to_vec(),
+                vec![at(out, hv * dv)],
+                sizes.to_vec(),
+            ]
+            .concat();
+            let grid = [hv as u32, dv.div_ceil(DC_COLS) as u32, 1];
+            self.rt.launch("delta_chunk_scan", grid, [DC_THREADS, 1, 1], scan_shared as u32, &scan)?;
+        }
+        Ok(())
     }
 
     pub(super) fn launch_gated_rms_norm(&self, x: &GpuTensor, z: &GpuTensor, weight: &GpuTensor, eps: f32) -> Result<GpuTensor> {
