@@ -13,6 +13,15 @@ ATLAS_KERNEL void silu_mul(const float* gate, const float* up, float* out, int n
 }
 
 // x += y
+// to_bf16: y = x rounded to bf16 (nearest even), 8 values a thread (n % 8 == 0, 16-byte aligned
+// rows): the wgmma GEMMs' input. Launch: grid ceil(n / 8 / 256), block 256.
+ATLAS_KERNEL void to_bf16(const float* x, bf16* y, long n) {
+    const long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    const float4 a = *(const float4*)(x + i), b = *(const float4*)(x + i + 4);
+    *(uint4*)(y + i) = make_uint4(bf16x2_pack(a.x, a.y), bf16x2_pack(a.z, a.w), bf16x2_pack(b.x, b.y), bf16x2_pack(b.z, b.w));
+}
+
 ATLAS_KERNEL void add_inplace(float* x, const float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];

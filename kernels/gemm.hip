@@ -20,6 +20,7 @@
 #include "common/mma.h"
 #include "common/fp8.h"
 #include "common/packed.h"
+#include "common/wgmma.h"
 
 #define GEMM_BM 128      // rows of x / y (tokens) per block
 #define GEMM_BN 128      // rows of W / columns of y per block
@@ -268,3 +269,233 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
                 int N, int K, int T) {
     gemm_body<GEMM_PACKED>(W, nullptr, fmt, x, bias, residual, y, N, K, T);
 }
+
+// ---- Hopper (sm_90a): the same tiles of y with the products on wgmma (common/wgmma.h). They exist
+// only where ATLAS_WGMMA does, need N % 128 == 0 and K % 64 == 0 (T is any), and compute what
+// gemm_bf16, gemm_fp8 and gemm_packed compute (W decoded and x rounded to bf16 alike; the sums in
+// another order, the same for all three). A K step is 64 wide: x and W tiles of 128 rows stored
+// with the 128-byte swizzle; each warpgroup (128 threads) owns 64 of the block's 128 tokens and
+// issues four m64n128k16 products a step.
+// - gemm_wg_bf16 (W bf16) and gemm_wg_fp8 (W FP8 codes + scales as gemm_fp8) take x already in
+//   bf16 (xb [T, K]) and stream the tiles with cp.async through GWG_STAGES stages, so the loads
+//   of later steps are in flight while a step's products run; FP8 codes land raw and are decoded
+//   into one of two bf16 W tiles just before their step.
+//   Dynamic shared memory GEMM_WG_SHARED_BF16 / GEMM_WG_SHARED_FP8.
+// - gemm_wg_packed takes gemm_packed's arguments (x f32): each step's runs are decoded in
+//   registers (common/packed.h) while the previous step's products run, two stages.
+//   Dynamic shared memory GEMM_WG_SHARED_PACKED.
+// Launch: as gemm_bf16: grid (N / 128, ceil(T / 128)), block GEMM_THREADS.
+#if defined(ATLAS_WGMMA)
+#define GWG_BK 64
+#define GWG_TILE (GEMM_BM * GWG_BK * 2)  // bytes of one bf16 x or W tile (GEMM_BN == GEMM_BM)
+#define GWG_RAW (GEMM_BN * GWG_BK)       // bytes of one tile of FP8 codes
+#define GWG_STAGES 3
+#define GEMM_WG_SHARED_BF16 (GWG_STAGES * 2 * GWG_TILE + 1024)
+#define GEMM_WG_SHARED_FP8 ((GWG_STAGES + 2) * GWG_TILE + GWG_STAGES * (GWG_RAW + 16) + 1024)
+#define GEMM_WG_SHARED_PACKED (4 * GWG_TILE + 1024)
+static_assert(GEMM_BN == GEMM_BM && GEMM_THREADS == 256, "two warpgroups, square tiles");
+
+// The dynamic shared memory, from its first 1024-byte boundary (the swizzle's alignment).
+__device__ __forceinline__ unsigned char* gwg_tiles() {
+    extern __shared__ unsigned char gwg_raw[];
+    const unsigned int at = (unsigned int)__cvta_generic_to_shared(gwg_raw);
+    return gwg_raw + ((1024 - (at & 1023)) & 1023);
+}
+
+// Block id -> (t0, n0) as gemm_body.
+__device__ __forceinline__ void gwg_tile_of_block(int& t0, int& n0) {
+    const int gx = gridDim.x, id = blockIdx.y * gx + blockIdx.x;
+    const int first = (id / (GEMM_GROUP_T * gx)) * GEMM_GROUP_T;
+    const int rows = min((int)gridDim.y - first, GEMM_GROUP_T);
+    const int local = id - first * gx;
+    t0 = (first + local % rows) * GEMM_BM;
+    n0 = (local / rows) * GEMM_BN;
+}
+
+// One step's four products of this warpgroup's 64 tokens against the W tile.
+__device__ __forceinline__ void gwg_products(float (&d)[64], const unsigned char* xs, const unsigned char* ws) {
+    const int group = threadIdx.x / 128;
+    wg_fence_operands(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < GWG_BK; kk += 16) wg_mma_64x128x16(d, wg_desc(xs + group * 64 * 128, kk), wg_desc(ws, kk), true);
+    wg_commit();
+    wg_fence_operands(d);
+}
+
+__device__ __forceinline__ void gwg_store(const float (&d)[64], const float* bias, const float* residual, float* y, int N,
+                                          int T, int t0, int n0) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, group = threadIdx.x / 128;
+#pragma unroll
+    for (int i = 0; i < 64; i++) {
+        const int t = t0 + group * 64 + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
+        const int n = n0 + 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+        if (t < T) {
+            const long o = (long)t * N + n;
+            y[o] = d[i] + (bias ? bias[n] : 0.0f) + (residual ? residual[o] : 0.0f);
+        }
+    }
+}
+
+template <bool FP8>
+__device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const float* scales, const bf16* xb,
+                                              const float* bias, const float* residual, float* y, int N, int K, int T) {
+    unsigned char* tiles = gwg_tiles();
+    int t0, n0;
+    gwg_tile_of_block(t0, n0);
+    const int steps = K / GWG_BK, tid = threadIdx.x;
+    // bf16: stage j is an x tile and a W tile. FP8: x tiles, then two decoded W tiles (by step
+    // parity), then the stages' raw codes and scales.
+    auto x_tile = [&](int j) { return tiles + (FP8 ? j : 2 * j) * GWG_TILE; };
+    auto w_tile = [&](int j) { return tiles + (FP8 ? GWG_STAGES + (j & 1) : 2 * j + 1) * GWG_TILE; };
+    unsigned char* raw = tiles + (GWG_STAGES + 2) * GWG_TILE;
+    float* raw_scale = (float*)(raw + GWG_STAGES * GWG_RAW);
+
+    auto issue = [&](int step) {  // one commit group per call, empty past the last step
+        if (step < steps) {
+            const int j = step % GWG_STAGES, k0 = step * GWG_BK;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int e = tid + i * GEMM_THREADS, r = e >> 3, c = 8 * (e & 7), t = t0 + r;
+                cp_async16(x_tile(j) + wg_swizzle(r, c), xb + (long)min(t, T - 1) * K + k0 + c, t < T ? 16 : 0);
+                if (!FP8) cp_async16(w_tile(j) + wg_swizzle(r, c), (const bf16*)W + (long)(n0 + r) * K + k0 + c, 16);
+            }
+            if (FP8) {
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
+                    cp_async16(raw + j * GWG_RAW + r * GWG_BK + c, W + (long)(n0 + r) * K + k0 + c, 16);
+                }
+                if (tid == 0)
+                    cp_async4(raw_scale + j, scales + (n0 / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK) + k0 / FP8_BLOCK);
+            }
+        }
+        cp_commit();
+    };
+
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) d[i] = 0.0f;
+    for (int s = 0; s < GWG_STAGES - 1; s++) issue(s);
+    for (int step = 0; step < steps; step++) {
+        const int j = step % GWG_STAGES;
+        cp_wait<GWG_STAGES - 2>();
+        wg_proxy_fence();
+        __syncthreads();
+        if (FP8) {
+            const float scale = fp8_scale(raw_scale[j]);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
+                const uint4 q = *(const uint4*)(raw + j * GWG_RAW + r * GWG_BK + c);
+                const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+                float f[16];
+#pragma unroll
+                for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
+                unsigned int p[8];
+#pragma unroll
+                for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
+                *(uint4*)(w_tile(step) + wg_swizzle(r, c)) = make_uint4(p[0], p[1], p[2], p[3]);
+                *(uint4*)(w_tile(step) + wg_swizzle(r, c + 8)) = make_uint4(p[4], p[5], p[6], p[7]);
+            }
+            wg_proxy_fence();
+            __syncthreads();
+        }
+        gwg_products(d, x_tile(j), FP8 ? w_tile(step) : w_tile(j));
+        // The previous step's products are done (this step's may still run): its stage, and for
+        // FP8 its decoded W tile, may be refilled once every thread has seen that.
+        wg_wait1();
+        wg_fence_operands(d);
+        __syncthreads();
+        issue(step + GWG_STAGES - 1);
+    }
+    wg_wait0();
+    wg_fence_operands(d);
+    gwg_store(d, bias, residual, y, N, T, t0, n0);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
+    gemm_wg_bf16(const bf16* W, const bf16* xb, const float* bias, const float* residual, float* y, int N, int K, int T) {
+    gemm_wg_async<false>((const unsigned char*)W, nullptr, xb, bias, residual, y, N, K, T);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
+    gemm_wg_fp8(const unsigned char* W, const float* scales, const bf16* xb, const float* bias, const float* residual,
+                float* y, int N, int K, int T) {
+    gemm_wg_async<true>(W, scales, xb, bias, residual, y, N, K, T);
+}
+
+// gemm_wg_packed: a step of x (f32) and of W's runs in registers, one run a thread.
+struct gwg_stage {
+    float4 x[4][2];  // four chunks of 8 values of x
+    PkRaw pk[2];     // both halves of one run
+};
+
+__device__ __forceinline__ void gwg_fetch(gwg_stage& s, const unsigned char* W, int fmt, const float* x, int N, int K,
+                                          int T, int n0, int t0, int k0) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int e = threadIdx.x + i * GEMM_THREADS, r = e >> 3, t = t0 + r;
+        const float4* src = (const float4*)(x + (long)t * K + k0 + 8 * (e & 7));
+        s.x[i][0] = t < T ? src[0] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        s.x[i][1] = t < T ? src[1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    const long run = (long)(n0 + (threadIdx.x >> 1)) * (K / 32) + k0 / 32 + (threadIdx.x & 1);
+    s.pk[0] = pk_fetch16_any(fmt, W, N, K, run, 0);
+    s.pk[1] = pk_fetch16_any(fmt, W, N, K, run, 2);
+}
+
+__device__ __forceinline__ void gwg_stash(const gwg_stage& s, int fmt, int K, int n0, int k0, unsigned char* xs,
+                                          unsigned char* ws) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int e = threadIdx.x + i * GEMM_THREADS;
+        *(uint4*)(xs + wg_swizzle(e >> 3, 8 * (e & 7))) =
+            make_uint4(bf16x2_pack(s.x[i][0].x, s.x[i][0].y), bf16x2_pack(s.x[i][0].z, s.x[i][0].w),
+                       bf16x2_pack(s.x[i][1].x, s.x[i][1].y), bf16x2_pack(s.x[i][1].z, s.x[i][1].w));
+    }
+    const int r = threadIdx.x >> 1, kb = 32 * (threadIdx.x & 1);
+    const long run = (long)(n0 + r) * (K / 32) + k0 / 32 + (threadIdx.x & 1);
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        float lo[8], hi[8];
+        pk_decode16_any(fmt, s.pk[j], run, lo, hi);
+        *(uint4*)(ws + wg_swizzle(r, kb + 8 * j)) = make_uint4(bf16x2_pack(lo[0], lo[1]), bf16x2_pack(lo[2], lo[3]),
+                                                               bf16x2_pack(lo[4], lo[5]), bf16x2_pack(lo[6], lo[7]));
+        *(uint4*)(ws + wg_swizzle(r, kb + 16 + 8 * j)) = make_uint4(bf16x2_pack(hi[0], hi[1]), bf16x2_pack(hi[2], hi[3]),
+                                                                    bf16x2_pack(hi[4], hi[5]), bf16x2_pack(hi[6], hi[7]));
+    }
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
+    gemm_wg_packed(const unsigned char* W, int fmt, const float* x, const float* bias, const float* residual, float* y,
+                   int N, int K, int T) {
+    unsigned char* tiles = gwg_tiles();
+    int t0, n0;
+    gwg_tile_of_block(t0, n0);
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) d[i] = 0.0f;
+    const int steps = K / GWG_BK;
+    gwg_stage s;
+    gwg_fetch(s, W, fmt, x, N, K, T, n0, t0, 0);
+    gwg_stash(s, fmt, K, n0, 0, tiles, tiles + GWG_TILE);
+    wg_proxy_fence();
+    __syncthreads();
+    for (int step = 0; step < steps; step++) {
+        unsigned char* xs = tiles + (step & 1) * 2 * GWG_TILE;
+        const bool more = step + 1 < steps;
+        if (more) gwg_fetch(s, W, fmt, x, N, K, T, n0, t0, (step + 1) * GWG_BK);
+        gwg_products(d, xs, xs + GWG_TILE);
+        if (more) {
+            // The other stage was last read by the previous step's products, waited for below.
+            unsigned char* nx = tiles + ((step + 1) & 1) * 2 * GWG_TILE;
+            gwg_stash(s, fmt, K, n0, (step + 1) * GWG_BK, nx, nx + GWG_TILE);
+            wg_proxy_fence();
+        }
+        wg_wait0();
+        __syncthreads();
+    }
+    gwg_store(d, bias, residual, y, N, T, t0, n0);
+}
+#endif

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compiles Atlas's kernels for NVIDIA GPUs with NVRTC, without a GPU: the same source CudaRuntime
 hands NVRTC at run time (kernel_source() in src/backend/gpu/runtime.rs: the common headers, then
-each op file, #include lines removed) and the same options, for sm_80 and sm_90. NVRTC comes from
+each op file, #include lines removed) and the same options, for sm_80, sm_90 and sm_90a (Hopper,
+where the wgmma kernels exist). NVRTC comes from
 the `nvidia-cuda-nvrtc` wheel (pip); pass its libnvrtc.so with --nvrtc or let the script find it
 in the installed package. Any compile error fails the script; the log is printed."""
 import argparse, ctypes, glob, os, re, sys, site
@@ -36,12 +37,12 @@ def find_nvrtc(explicit):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--nvrtc", help="path of libnvrtc.so.N")
-    ap.add_argument("--arch", action="append", help="sm_XX (repeatable; default sm_80 and sm_90)")
+    ap.add_argument("--arch", action="append", help="sm_XX (repeatable; default sm_80, sm_90 and sm_90a)")
     args = ap.parse_args()
     lib = ctypes.CDLL(find_nvrtc(args.nvrtc))
     src, files = kernel_source()
     ok = True
-    for arch in args.arch or ["sm_80", "sm_90"]:
+    for arch in args.arch or ["sm_80", "sm_90", "sm_90a"]:
         prog = ctypes.c_void_p()
         if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"atlas.cu", 0, None, None):
             sys.exit("check_nvidia_kernels: nvrtcCreateProgram failed")

@@ -157,8 +157,9 @@ fn embedding_linear_and_argmax() {
 
     // Each weight format through the one-token GEMV (T = 1), the few-token GEMV (T <= 8, bf16)
     // and the tiled GEMM (larger T, ragged K), with and without bias. K = 25600 (Qwen3-32B's down
-    // projection) stages more than 48 KB of input in the fp8 GEMV.
-    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true), (1, 40, 25600, false)];
+    // projection) stages more than 48 KB of input in the fp8 GEMV. N % 128 == 0 and K % 64 == 0
+    // take the wgmma GEMM on Hopper (T = 256, 200, 131: whole and partial token tiles).
+    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true), (1, 40, 25600, false), (200, 512, 640, true), (131, 1024, 2048, false)];
     for fp8 in [false, true] {
         for (t, n, k, with_bias) in shapes {
             let (cw, gw) = matrix_pair(&mut rng, fp8, n, k);

@@ -36,6 +36,8 @@ pub struct CudaRuntime {
     /// previous one ends.
     early_launch: bool,
     max_shared_bytes: u32,
+    /// Compiled for sm_90a: the WGMMA_KERNELS exist.
+    wgmma: bool,
     description: String,
 }
 
@@ -46,8 +48,8 @@ unsafe impl Send for CudaRuntime {}
 // SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 68] = [
-    "silu_mul", "add_inplace", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
+pub(crate) const KERNELS: [&str; 69] = [
+    "silu_mul", "to_bf16", "add_inplace", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
     "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
     "logit_adjust", "log_partition", "draw_in_order",
@@ -61,6 +63,9 @@ pub(crate) const KERNELS: [&str; 68] = [
     "gemv1_gate_up_q6_k", "gemv1_gate_up_iq4_nl", "gemv1_gate_up_iq4_xs", "gemv1_gate_up_mxfp4", "gemv1_gate_up_nvfp4",
     "gemv1_gate_up_rocmfp4", "gemv1_gate_up_rocmfp4_fast",
 ];
+
+/// Kernels that exist only where wgmma does (kernels/gemm.hip, sm_90a).
+const WGMMA_KERNELS: [&str; 3] = ["gemm_wg_bf16", "gemm_wg_fp8", "gemm_wg_packed"];
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("CUDA {what}: {e:?}"))
@@ -108,11 +113,15 @@ impl CudaRuntime {
             functions: HashMap::new(),
             early_launch: false,
             max_shared_bytes: 0,
+            wgmma: false,
             description: String::new(),
         };
         let device = rt.ctx.cu_device();
         let (major, minor) = rt.ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
-        let arch = format!("sm_{major}{minor}");
+        // Hopper's arch-specific target adds wgmma (the gemm_wg_* kernels); the CUBIN then runs
+        // on sm_90 devices only, which this one is.
+        let wgmma = (major, minor) == (9, 0);
+        let arch = if wgmma { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };
         let name = cu::device::get_name(device).unwrap_or_else(|_| "CUDA device".into());
         rt.stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| dev_err("stream", e))?;
         // A pool of Atlas's own that keeps freed blocks across synchronisations: per-op
@@ -134,7 +143,7 @@ impl CudaRuntime {
             cu::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         }
         .map_err(|e| dev_err("shared memory size", e))?;
-        for name in KERNELS {
+        for &name in KERNELS.iter().chain(if wgmma { &WGMMA_KERNELS[..] } else { &[] }) {
             let cname = CString::new(name).map_err(|e| dev_err("kernel name", e))?;
             // SAFETY: the module is loaded and the name is NUL-terminated; the attributes are plain
             // integers. Beyond 48 KB, dynamic shared memory must be allowed per function.
@@ -154,6 +163,7 @@ impl CudaRuntime {
         }
         rt.description = format!("cuda {name} ({arch}, kernels {cache_state})");
         rt.early_launch = major >= 9;
+        rt.wgmma = wgmma;
         rt.max_shared_bytes = max_shared as u32;
         Ok(rt)
     }
@@ -244,6 +254,10 @@ impl Runtime for CudaRuntime {
 
     fn max_shared_bytes(&self) -> u32 {
         self.max_shared_bytes
+    }
+
+    fn has_wgmma(&self) -> bool {
+        self.wgmma
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {

@@ -233,6 +233,14 @@ const GEMV_ROWS: u32 = 2;
 const GEMM_BM: usize = 128;
 const GEMM_BN: usize = 128;
 const GEMM_THREADS: u32 = 256;
+/// The wgmma GEMMs' K step and dynamic shared memory (kernels/gemm.hip: GWG_BK, GEMM_WG_SHARED_*:
+/// three stages of bf16 x and W tiles; of x tiles and FP8 codes, with two decoded W tiles; two
+/// stages of x and W tiles; each with 1 KB to align them).
+const GEMM_WG_BK: usize = 64;
+const GWG_TILE: u32 = 128 * 64 * 2;
+const GEMM_WG_SHARED_BF16: u32 = 3 * 2 * GWG_TILE + 1024;
+const GEMM_WG_SHARED_FP8: u32 = 5 * GWG_TILE + 3 * (128 * 64 + 16) + 1024;
+const GEMM_WG_SHARED_PACKED: u32 = 4 * GWG_TILE + 1024;
 const FA_BQ: usize = 64;
 const FA_THREADS: u32 = 128;
 const DEC_THREADS: u32 = 256;
@@ -414,10 +422,13 @@ impl GpuBackend {
         }
         let common = [Arg::Ptr(x.buf.ptr), Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)), Arg::Ptr(residual.unwrap_or(0)), Arg::Ptr(y)];
         let sizes = [Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32)];
+        let grid = [blocks(n, GEMM_BN as u32), blocks(t, GEMM_BM as u32), 1];
+        // Hopper's wgmma kernels take whole tiles of N and K (any T); the others take any shape.
+        let wgmma = self.rt.has_wgmma() && n % GEMM_BN == 0 && k % GEMM_WG_BK == 0;
         if let WeightFormat::Packed(format) = w.format {
+            let (kernel, shared) = if wgmma { ("gemm_wg_packed", GEMM_WG_SHARED_PACKED) } else { ("gemm_packed", 0) };
             let args = [Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0)].into_iter().chain(common).chain(sizes);
-            let grid = [blocks(n, GEMM_BN as u32), blocks(t, GEMM_BM as u32), 1];
-            return self.rt.launch("gemm_packed", grid, [GEMM_THREADS, 1, 1], 0, &args.collect::<Vec<_>>());
+            return self.rt.launch(kernel, grid, [GEMM_THREADS, 1, 1], shared, &args.collect::<Vec<_>>());
         }
         if t <= GEMV_MAX_T && w.is_bf16() && k % 8 == 0 {
             let args: Vec<Arg> = [Arg::Ptr(w.buf.ptr)].into_iter().chain(common).chain(sizes).collect();
@@ -428,8 +439,18 @@ impl GpuBackend {
         if w.is_fp8() {
             args.push(Arg::Ptr(w.scales()));
         }
+        if wgmma {
+            // These take x in bf16: rounded once here rather than once per tile of W.
+            let xb = self.tensor(t, k / 2)?;
+            let values = t * k;
+            let round = [Arg::Ptr(x.buf.ptr), Arg::Ptr(xb.buf.ptr), Arg::I64(values as i64)];
+            self.rt.launch("to_bf16", [blocks(values / 8, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &round)?;
+            args.push(Arg::Ptr(xb.buf.ptr));
+            args.extend(common.into_iter().skip(1).chain(sizes));
+            let shared = if w.is_fp8() { GEMM_WG_SHARED_FP8 } else { GEMM_WG_SHARED_BF16 };
+            return self.rt.launch(&w.kernel("gemm_wg"), grid, [GEMM_THREADS, 1, 1], shared, &args);
+        }
         args.extend(common.into_iter().chain(sizes));
-        let grid = [blocks(n, GEMM_BN as u32), blocks(t, GEMM_BM as u32), 1];
         self.rt.launch(&w.kernel("gemm"), grid, [GEMM_THREADS, 1, 1], 0, &args)
     }
 

@@ -170,6 +170,11 @@ pub trait Runtime: Send + Sync {
     fn max_shared_bytes(&self) -> u32 {
         48 * 1024
     }
+    /// True where the kernels were compiled with Hopper's wgmma (NVIDIA sm_90a): the `gemm_wg_*`
+    /// kernels exist (kernels/gemm.hip).
+    fn has_wgmma(&self) -> bool {
+        false
+    }
     /// Device memory, ordered on the stream (valid for work queued after this call).
     fn alloc(&self, bytes: usize) -> Result<u64>;
     /// Frees after the work queued so far.
@@ -205,11 +210,12 @@ pub trait Runtime: Send + Sync {
 /// The kernel sources as one translation unit: the common headers first, then every op file, with
 /// the `#include "common/..."` lines removed (the run-time compilers get no include path).
 pub fn kernel_source() -> String {
-    const HEADERS: [&str; 4] = [
+    const HEADERS: [&str; 5] = [
         include_str!("../../../kernels/common/portable.h"),
         include_str!("../../../kernels/common/mma.h"),
         include_str!("../../../kernels/common/fp8.h"),
         include_str!("../../../kernels/common/packed.h"),
+        include_str!("../../../kernels/common/wgmma.h"),
     ];
     const FILES: [&str; 10] = [
         include_str!("../../../kernels/elementwise.hip"),
