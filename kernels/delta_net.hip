@@ -210,7 +210,11 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_CHUNK 64
 #define DC_THREADS 256
 #define DC_MAX_DK 128
-#define DC_COLS 32
+#define DC_COLS 16
+// delta_chunk_scan's threads: DC_COLS / 4 a row of outputs (4 columns each), DC_RSTEP rows at
+// once, DC_RPT rows a thread.
+#define DC_RSTEP (DC_THREADS / (DC_COLS / 4))
+#define DC_RPT (DC_CHUNK / DC_RSTEP)
 #define DC_MP (DC_CHUNK + 1)
 
 // delta_chunk_prep: one block per (value head, chunk). Dynamic shared memory, in floats:
@@ -393,8 +397,8 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
 // + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. The state slice S [dk, DC_COLS] stays in shared memory;
 // W, q̂, P and K̃ pass through one buffer [DC_CHUNK, bs] (bs = max(dk, DC_CHUNK) + 4), U through
 // another. Dynamic shared memory, in floats: dk·DC_COLS + DC_CHUNK·bs + DC_CHUNK·DC_COLS +
-// DC_CHUNK. A thread owns outputs (rows tr, tr + 32; columns 4tc .. 4tc + 3) of U and o, and of S
-// rows tr + 32m.
+// DC_CHUNK. A thread owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U and o,
+// and of S (rows tr + DC_RSTEP·m up to dk).
 // Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
     delta_chunk_scan(const float* qn, const float* kn, const float* w, const float* u, const float* p,
@@ -409,7 +413,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
     float* Us = buf + DC_CHUNK * bs;
     float* g = Us + DC_CHUNK * DC_COLS;
     float* Sg = state + (long)h * dk * dv;
-    const int tr = tid / 8, tc = tid % 8, jc = 4 * tc;
+    const int tr = tid / (DC_COLS / 4), tc = tid % (DC_COLS / 4), jc = 4 * tc;
 
     for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
         const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
@@ -418,6 +422,16 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
     // Rows [t0, t0 + L) of a [.., T, dk] scratch into buf, scaled per row; past L, zero.
     auto stage = [&](const float* src, int t0, int L, bool decayed) {
         const float g_last = decayed ? g[L - 1] : 0.0f;
+        if (dk % 4 == 0) {
+            const int dk4 = dk / 4;
+            for (int idx = tid; idx < DC_CHUNK * dk4; idx += DC_THREADS) {
+                const int r = idx / dk4, e = 4 * (idx % dk4);
+                float4 v = r < L ? *(const float4*)&src[(long)(t0 + r) * dk + e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float f = decayed && r < L ? expf(g_last - g[r]) : 1.0f;
+                *(float4*)&buf[r * bs + e] = make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+            }
+            return;
+        }
         for (int idx = tid; idx < DC_CHUNK * dk; idx += DC_THREADS) {
             const int r = idx / dk, e = idx % dk;
             float v = r < L ? src[(long)(t0 + r) * dk + e] : 0.0f;
@@ -426,12 +440,12 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
         }
     };
     // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x].
-    auto times_state = [&](float acc[2][4]) {
+    auto times_state = [&](float acc[DC_RPT][4]) {
         for (int i = 0; i < dk; i++) {
             const float4 sv = *(const float4*)&S[i * DC_COLS + jc];
 #pragma unroll
-            for (int m = 0; m < 2; m++) {
-                const float bv = buf[(tr + 32 * m) * bs + i];
+            for (int m = 0; m < DC_RPT; m++) {
+                const float bv = buf[(tr + DC_RSTEP * m) * bs + i];
                 acc[m][0] += bv * sv.x;
                 acc[m][1] += bv * sv.y;
                 acc[m][2] += bv * sv.z;
@@ -452,34 +466,35 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
         __syncthreads();
 
         // U = Ũ − W·S.
-        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        float acc[DC_RPT][4] = {};
         times_state(acc);
         __syncthreads();
 #pragma unroll
-        for (int m = 0; m < 2; m++)
+        for (int m = 0; m < DC_RPT; m++)
 #pragma unroll
-            for (int x = 0; x < 4; x++) Us[(tr + 32 * m) * DC_COLS + jc + x] -= acc[m][x];
+            for (int x = 0; x < 4; x++) Us[(tr + DC_RSTEP * m) * DC_COLS + jc + x] -= acc[m][x];
         stage(qn + (long)kh * T * dk, t0, L, false);
         __syncthreads();
 
         // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
-        float o[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        float o[DC_RPT][4] = {};
         times_state(o);
 #pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const float gamma_t = expf(g[tr + 32 * m]);
+        for (int m = 0; m < DC_RPT; m++) {
+            const float gamma_t = expf(g[tr + DC_RSTEP * m]);
 #pragma unroll
             for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
         }
         __syncthreads();
         const float* pc = p + ((long)h * ((T + DC_CHUNK - 1) / DC_CHUNK) + chunk) * DC_CHUNK * DC_CHUNK;
-        for (int idx = tid; idx < DC_CHUNK * DC_CHUNK; idx += DC_THREADS) buf[(idx / DC_CHUNK) * bs + idx % DC_CHUNK] = pc[idx];
+        for (int idx = tid; idx < DC_CHUNK * DC_CHUNK / 4; idx += DC_THREADS)
+            *(float4*)&buf[(idx / (DC_CHUNK / 4)) * bs + 4 * (idx % (DC_CHUNK / 4))] = ((const float4*)pc)[idx];
         __syncthreads();
         for (int s = 0; s < L; s++) {
             const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
 #pragma unroll
-            for (int m = 0; m < 2; m++) {
-                const float pv = buf[(tr + 32 * m) * bs + s];
+            for (int m = 0; m < DC_RPT; m++) {
+                const float pv = buf[(tr + DC_RSTEP * m) * bs + s];
                 o[m][0] += pv * us.x;
                 o[m][1] += pv * us.y;
                 o[m][2] += pv * us.z;
@@ -487,8 +502,8 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
             }
         }
 #pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const int t = tr + 32 * m;
+        for (int m = 0; m < DC_RPT; m++) {
+            const int t = tr + DC_RSTEP * m;
             if (t >= L) continue;
 #pragma unroll
             for (int x = 0; x < 4; x++)
@@ -500,7 +515,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
         stage(kn + (long)kh * T * dk, t0, L, true);
         __syncthreads();
         const float gamma_l = expf(g[L - 1]);
-        for (int i = tr; i < dk; i += 32) {
+        for (int i = tr; i < dk; i += DC_RSTEP) {
             float4 sv = *(float4*)&S[i * DC_COLS + jc];
             sv.x *= gamma_l;
             sv.y *= gamma_l;

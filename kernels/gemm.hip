@@ -279,7 +279,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
 // - gemm_wg_bf16 (W bf16) and gemm_wg_fp8 (W FP8 codes + scales as gemm_fp8) take x already in
 //   bf16 (xb [T, K]) and stream the tiles with cp.async through GWG_STAGES stages, so the loads
 //   of later steps are in flight while a step's products run; FP8 codes land raw and are decoded
-//   into one of two bf16 W tiles just before their step.
+//   into one of two bf16 W tiles while the previous step's products run.
 //   Dynamic shared memory GEMM_WG_SHARED_BF16 / GEMM_WG_SHARED_FP8.
 // - gemm_wg_packed takes gemm_packed's arguments (x f32): each step's runs are decoded in
 //   registers (common/packed.h) while the previous step's products run, two stages.
@@ -373,34 +373,45 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
         cp_commit();
     };
 
+    // Every thread's copies of the oldest step not yet waited for have landed, seen by all.
+    auto landed = [&]() {
+        cp_wait<GWG_STAGES - 2>();
+        wg_proxy_fence();
+        __syncthreads();
+    };
+    // FP8: a step's codes into its decoded W tile.
+    auto decode = [&](int step) {
+        const int j = step % GWG_STAGES;
+        const float scale = fp8_scale(raw_scale[j]);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
+            const uint4 q = *(const uint4*)(raw + j * GWG_RAW + r * GWG_BK + c);
+            const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+            float f[16];
+#pragma unroll
+            for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
+            unsigned int p[8];
+#pragma unroll
+            for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
+            *(uint4*)(w_tile(step) + wg_swizzle(r, c)) = make_uint4(p[0], p[1], p[2], p[3]);
+            *(uint4*)(w_tile(step) + wg_swizzle(r, c + 8)) = make_uint4(p[4], p[5], p[6], p[7]);
+        }
+        wg_proxy_fence();
+        __syncthreads();
+    };
+
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) d[i] = 0.0f;
     for (int s = 0; s < GWG_STAGES - 1; s++) issue(s);
+    if (FP8) {
+        landed();
+        decode(0);
+    }
     for (int step = 0; step < steps; step++) {
         const int j = step % GWG_STAGES;
-        cp_wait<GWG_STAGES - 2>();
-        wg_proxy_fence();
-        __syncthreads();
-        if (FP8) {
-            const float scale = fp8_scale(raw_scale[j]);
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
-                const uint4 q = *(const uint4*)(raw + j * GWG_RAW + r * GWG_BK + c);
-                const unsigned int words[4] = {q.x, q.y, q.z, q.w};
-                float f[16];
-#pragma unroll
-                for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
-                unsigned int p[8];
-#pragma unroll
-                for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
-                *(uint4*)(w_tile(step) + wg_swizzle(r, c)) = make_uint4(p[0], p[1], p[2], p[3]);
-                *(uint4*)(w_tile(step) + wg_swizzle(r, c + 8)) = make_uint4(p[4], p[5], p[6], p[7]);
-            }
-            wg_proxy_fence();
-            __syncthreads();
-        }
+        if (!FP8) landed();
         gwg_products(d, x_tile(j), FP8 ? w_tile(step) : w_tile(j));
         // The previous step's products are done (this step's may still run): its stage, and for
         // FP8 its decoded W tile, may be refilled once every thread has seen that.
@@ -408,6 +419,11 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
         wg_fence_operands(d);
         __syncthreads();
         issue(step + GWG_STAGES - 1);
+        // FP8 decodes the next step while this one's products run.
+        if (FP8 && step + 1 < steps) {
+            landed();
+            decode(step + 1);
+        }
     }
     wg_wait0();
     wg_fence_operands(d);

@@ -21,7 +21,7 @@ const DN_MAX_DK: usize = 256;
 const DC_CHUNK: usize = 64;
 const DC_THREADS: u32 = 256;
 const DC_MAX_DK: usize = 128;
-const DC_COLS: usize = 32;
+const DC_COLS: usize = 16;
 /// Tokens per pass of the chunked rule: its scratch (W, Ũ, q̂, k̂, P, γ: about 2·(dk + dv)·Hv
 /// floats a token) is sized for this many, whatever the prompt's length.
 const DC_SLICE: usize = 1024;
