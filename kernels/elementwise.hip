@@ -75,6 +75,43 @@ ATLAS_KERNEL void embed_packed(const unsigned char* table, int fmt, int rows, co
     }
 }
 
+// dequant_packed_bf16: a whole matrix in a block format (device layout, format id `fmt`, `rows`
+// rows of `cols` values, cols % 32 == 0) into bf16 [rows, cols], each value decoded exactly (as
+// embed_packed) and rounded to nearest even: how long prefills of a packed weight feed the bf16
+// wgmma GEMM. Thread per 16 values (half a run). Launch: grid ceil(rows · cols / 16 / 256), block 256.
+ATLAS_KERNEL void dequant_packed_bf16(const unsigned char* w, int fmt, int rows, int cols, bf16* out) {
+    const long half = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (half >= (long)rows * (cols / 16)) return;
+    const long run = half / 2;
+    const int w0 = 2 * (int)(half % 2);
+    float lo[8], hi[8];
+    pk_decode16_any(fmt, pk_fetch16_any(fmt, w, rows, cols, run, w0), run, lo, hi);
+    bf16* o = out + run * 32 + 4 * w0;
+    *(uint4*)o = make_uint4(bf16x2_pack(lo[0], lo[1]), bf16x2_pack(lo[2], lo[3]), bf16x2_pack(lo[4], lo[5]), bf16x2_pack(lo[6], lo[7]));
+    *(uint4*)(o + 16) = make_uint4(bf16x2_pack(hi[0], hi[1]), bf16x2_pack(hi[2], hi[3]), bf16x2_pack(hi[4], hi[5]), bf16x2_pack(hi[6], hi[7]));
+}
+
+// dequant_fp8_bf16: FP8 block-scaled weights [rows, cols] (cols % 16 == 0; scales as embed_fp8,
+// kblocks = ceil(cols / 128)) into bf16, each value rounded as the FP8 GEMMs round it. Thread per
+// 16 values. Launch: grid ceil(rows · cols / 16 / 256), block 256.
+ATLAS_KERNEL void dequant_fp8_bf16(const unsigned char* w, const float* scales, int rows, int cols, int kblocks, bf16* out) {
+    const long piece = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (piece >= (long)rows * (cols / 16)) return;
+    const long at = piece * 16;
+    const int row = (int)(at / cols), col = (int)(at % cols);
+    const float scale = fp8_scale(scales[(row / FP8_BLOCK) * kblocks + col / FP8_BLOCK]);
+    const uint4 q = *(const uint4*)(w + at);
+    const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+    float f[16];
+#pragma unroll
+    for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
+    unsigned int p[8];
+#pragma unroll
+    for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
+    *(uint4*)(out + at) = make_uint4(p[0], p[1], p[2], p[3]);
+    *(uint4*)(out + at + 8) = make_uint4(p[4], p[5], p[6], p[7]);
+}
+
 // splitmix64 of (seed, i): the hash behind synthetic benchmark weights (CPU twin: quant::synthetic).
 __device__ __forceinline__ unsigned long long synthetic_hash(unsigned long long seed, long i) {
     unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;

@@ -320,7 +320,6 @@ __device__ __forceinline__ void gwg_products(float (&d)[64], const unsigned char
 #pragma unroll
     for (int kk = 0; kk < GWG_BK; kk += 16) wg_mma_64x128x16(d, wg_desc(xs + group * 64 * 128, kk), wg_desc(ws, kk), true);
     wg_commit();
-    wg_fence_operands(d);
 }
 
 __device__ __forceinline__ void gwg_store(const float (&d)[64], const float* bias, const float* residual, float* y, int N,
@@ -409,7 +408,10 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
         landed();
         decode(0);
     }
-    for (int step = 0; step < steps; step++) {
+    // K >= 64: at least one step (a path that skipped the loop would make ptxas serialise the
+    // products, its zeroed accumulators meeting theirs).
+    int step = 0;
+    do {
         const int j = step % GWG_STAGES;
         if (!FP8) landed();
         gwg_products(d, x_tile(j), FP8 ? w_tile(step) : w_tile(j));
@@ -424,7 +426,7 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
             landed();
             decode(step + 1);
         }
-    }
+    } while (++step < steps);
     wg_wait0();
     wg_fence_operands(d);
     gwg_store(d, bias, residual, y, N, T, t0, n0);

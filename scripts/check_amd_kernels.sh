@@ -136,7 +136,7 @@ for f in "${files[@]}"; do
     grep -v '^#include "' "$f" || true
 done >"$tu"
 # The names HipRuntime (and CudaRuntime) look up in the module.
-mapfile -t kernel_names < <(sed -n '/KERNELS: \[&str; [0-9]*\] = \[/,/\];/p' src/backend/gpu/cuda.rs | grep -o '"[A-Za-z0-9_]*"' | tr -d '"')
+mapfile -t kernel_names < <(sed -n '/const KERNELS: \[&str; [0-9]*\] = \[/,/\];/p' src/backend/gpu/cuda.rs | grep -o '"[A-Za-z0-9_]*"' | tr -d '"')
 ((${#kernel_names[@]})) || die "no KERNELS list found in src/backend/gpu/cuda.rs"
 
 # --- 4. Compile ----------------------------------------------------------------------------------

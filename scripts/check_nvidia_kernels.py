@@ -4,7 +4,8 @@ hands NVRTC at run time (kernel_source() in src/backend/gpu/runtime.rs: the comm
 each op file, #include lines removed) and the same options, for sm_80, sm_90 and sm_90a (Hopper,
 where the wgmma kernels exist). NVRTC comes from
 the `nvidia-cuda-nvrtc` wheel (pip); pass its libnvrtc.so with --nvrtc or let the script find it
-in the installed package. Any compile error fails the script; the log is printed."""
+in the installed package. Any compile error fails the script, and so does ptxas's advice that it
+serialised wgmma products (C7515); the log is printed."""
 import argparse, ctypes, glob, os, re, sys, site
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,10 @@ def main():
         if rc != 0:
             ok = False
             print(f"check_nvidia_kernels: {arch}: FAILED\n{text}")
+        elif "C7515" in text:
+            # ptxas serialises the wgmma GEMMs' products (an accumulator defined while one runs).
+            ok = False
+            print(f"check_nvidia_kernels: {arch}: FAILED: wgmma serialised\n{text}")
         else:
             print(f"check_nvidia_kernels: {arch}: ok ({len(files)} files)" + (f"\n{text}" if text else ""))
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -158,8 +158,9 @@ fn embedding_linear_and_argmax() {
     // Each weight format through the one-token GEMV (T = 1), the few-token GEMV (T <= 8, bf16)
     // and the tiled GEMM (larger T, ragged K), with and without bias. K = 25600 (Qwen3-32B's down
     // projection) stages more than 48 KB of input in the fp8 GEMV. N % 128 == 0 and K % 64 == 0
-    // take the wgmma GEMM on Hopper (T = 256, 200, 131: whole and partial token tiles).
-    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true), (1, 40, 25600, false), (200, 512, 640, true), (131, 1024, 2048, false)];
+    // take the wgmma GEMM on Hopper (T = 256, 200, 131: whole and partial token tiles; from 256
+    // tokens an fp8 weight is decoded to bf16 first: T = 256, 300).
+    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true), (1, 40, 25600, false), (200, 512, 640, true), (131, 1024, 2048, false), (300, 256, 576, true)];
     for fp8 in [false, true] {
         for (t, n, k, with_bias) in shapes {
             let (cw, gw) = matrix_pair(&mut rng, fp8, n, k);
@@ -1310,8 +1311,9 @@ fn block_formats_stay_packed_and_match_the_cpu() {
         check(&g, &got, &want, 4e-3, &format!("norm_silu_gate_up {name}"));
 
         // Prefill (past the few-token GEMV): the GEMM decodes each step's run in registers to the
-        // bf16 the widened path uploaded, so it gives the widened GEMM's bits exactly.
-        for (t, n, k) in [(9, 130, 512), (131, 256, 1024)] {
+        // bf16 the widened path uploaded, so it gives the widened GEMM's bits exactly; from 256
+        // tokens on Hopper, the whole weight is decoded to that bf16 first (T = 300).
+        for (t, n, k) in [(9, 130, 512), (131, 256, 1024), (300, 384, 512)] {
             let (m, wide) = block_matrix(format, n, k, seed + 3);
             let (gp, gw) = (g.upload_weight(m).unwrap(), g.upload_weight(Box::new(wide)).unwrap());
             let x = g.upload_f32(t, k, &random(&mut rng, t * k, 1.0)).unwrap();

@@ -1,19 +1,27 @@
 //! Random-weight models of real shapes, for benchmarks that need no download: `qwen3-8b` is the
 //! Qwen3-8B architecture with hash-generated bf16 or fp8 weights (see quant::synthetic), made on
-//! the device by GPU backends; `qwen3.6-27b` and `qwen3.6-35b-a3b` are the Qwen3.6 hybrid shapes
+//! the device by GPU backends, or with random blocks of a GGML format (made on the host, packed on
+//! upload as a GGUF's would be); `qwen3.6-27b` and `qwen3.6-35b-a3b` are the Qwen3.6 hybrid shapes
 //! (Gated DeltaNet, dense and mixture-of-experts).
 
 use super::config::{Architecture, HybridConfig, LayerKind, ModelConfig, MoeConfig, RopeScaling};
 use super::weights::WeightSource;
-use crate::quant::synthetic::SyntheticMatrix;
-use crate::quant::{DType, QuantMatrix};
+use rayon::prelude::*;
+
+use crate::quant::synthetic::{random_ggml_blocks, SyntheticMatrix};
+use crate::quant::{DType, GgmlFormat, GgmlMatrix, QuantMatrix};
 use crate::{Error, Result};
 
 pub struct SyntheticSource {
     config: ModelConfig,
     /// BF16, or F8E4M3 for the projections (embeddings and lm_head stay bf16, as in Qwen's FP8
-    /// checkpoints).
+    /// checkpoints), or a GGML block format for every matrix but the embeddings.
     dtype: DType,
+}
+
+/// The formats `--format` names: bf16, fp8, or a GGML block format by its GGUF type name.
+pub fn synthetic_formats() -> Vec<&'static str> {
+    ["bf16", "fp8"].into_iter().chain(GgmlFormat::ALL.iter().map(|f| f.name())).collect()
 }
 
 /// (name, hidden, ffn, layers, heads, kv heads, head_dim, vocab, tied)
@@ -26,12 +34,20 @@ const SHAPES: [Shape; 4] = [
 ];
 
 impl SyntheticSource {
-    /// `format`: "bf16" or "fp8".
+    /// `format`: one of [`synthetic_formats`].
     pub fn new(name: &str, format: &str) -> Result<Self> {
         let dtype = match format {
             "bf16" => DType::BF16,
             "fp8" => DType::F8E4M3,
-            other => return Err(Error::InvalidArgument(format!("synthetic format {other:?} (bf16 or fp8)"))),
+            other => match GgmlFormat::ALL.into_iter().find(|f| f.name() == other.to_ascii_lowercase()) {
+                Some(f) => f.dtype(),
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "synthetic format {other:?} (known: {})",
+                        synthetic_formats().join(", ")
+                    )))
+                }
+            },
         };
         if let Some(config) = qwen36(name) {
             return Ok(SyntheticSource { config, dtype });
@@ -116,6 +132,25 @@ fn qwen36(name: &str) -> Option<ModelConfig> {
     })
 }
 
+/// A matrix of random blocks (scales small enough that activations stay finite), generated in
+/// bands of rows in parallel.
+fn random_blocks(format: GgmlFormat, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
+    const BAND: usize = 256;
+    let row_bytes = format.row_bytes(cols).ok_or_else(|| {
+        Error::InvalidArgument(format!("{name}: {cols} columns are not whole {} blocks of {}", format.name(), format.block_size()))
+    })?;
+    let seed = seed_of(name);
+    let blocks_per_row = row_bytes / format.block_bytes();
+    let bands: Vec<Vec<u8>> = (0..rows.div_ceil(BAND))
+        .into_par_iter()
+        .map(|b| {
+            let n = (rows - b * BAND).min(BAND) * blocks_per_row;
+            random_ggml_blocks(format, n, seed ^ (b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        })
+        .collect();
+    Ok(Box::new(GgmlMatrix::new(format, rows, cols, bands.concat())?))
+}
+
 /// A per-tensor seed from its name, so every tensor differs and runs agree.
 fn seed_of(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
@@ -123,6 +158,11 @@ fn seed_of(name: &str) -> u64 {
 
 impl WeightSource for SyntheticSource {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Box<dyn QuantMatrix>> {
+        if let Some(format) = GgmlFormat::from_dtype(self.dtype) {
+            if name != "model.embed_tokens.weight" {
+                return random_blocks(format, name, rows, cols);
+            }
+        }
         // Scaled so activations keep a unit-ish size through the layers.
         let projection = name.starts_with("model.layers.");
         let dtype = if projection { self.dtype } else { DType::BF16 };
@@ -166,5 +206,23 @@ mod tests {
         assert_eq!(moe.config().moe.as_ref().map(|m| m.num_experts), Some(256));
         let err = SyntheticSource::new("qwen9", "bf16").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("qwen3.6-27b"), "{err}");
+        let err = SyntheticSource::new("qwen3-8b", "q3_k").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("q4_k") && err.contains("nvfp4"), "{err}");
+    }
+
+    #[test]
+    fn block_formats_make_whole_matrices_of_that_format() {
+        for format in GgmlFormat::ALL {
+            let source = SyntheticSource::new("qwen3-0.6b", format.name()).unwrap();
+            let m = source.matrix("model.layers.0.mlp.down_proj.weight", 300, 3072).unwrap();
+            assert_eq!((m.rows(), m.cols(), m.dtype()), (300, 3072, format.dtype()), "{}", format.name());
+            assert_eq!(m.storage_bytes(), 300 * format.row_bytes(3072).unwrap());
+            let mut row = vec![0.0; 3072];
+            m.dequant_row(299, &mut row);
+            assert!(row.iter().all(|v| v.is_finite()) && row.iter().any(|v| *v != 0.0), "{}", format.name());
+            // The embedding table stays bf16 (looked up, not multiplied).
+            let e = source.matrix("model.embed_tokens.weight", 10, 1024).unwrap();
+            assert_eq!(e.dtype(), DType::BF16);
+        }
     }
 }

@@ -241,6 +241,10 @@ const GWG_TILE: u32 = 128 * 64 * 2;
 const GEMM_WG_SHARED_BF16: u32 = 3 * 2 * GWG_TILE + 1024;
 const GEMM_WG_SHARED_FP8: u32 = 5 * GWG_TILE + 3 * (128 * 64 + 16) + 1024;
 const GEMM_WG_SHARED_PACKED: u32 = 4 * GWG_TILE + 1024;
+/// From this many tokens a packed or FP8 weight is decoded to bf16 for the streamed wgmma GEMM
+/// (the decode costs about as much as 50 tokens of products); below, gemm_wg_packed and
+/// gemm_wg_fp8 decode it per tile.
+const WIDEN_MIN_T: usize = 256;
 const FA_BQ: usize = 64;
 const FA_THREADS: u32 = 128;
 const DEC_THREADS: u32 = 256;
@@ -425,18 +429,25 @@ impl GpuBackend {
         let grid = [blocks(n, GEMM_BN as u32), blocks(t, GEMM_BM as u32), 1];
         // Hopper's wgmma kernels take whole tiles of N and K (any T); the others take any shape.
         let wgmma = self.rt.has_wgmma() && n % GEMM_BN == 0 && k % GEMM_WG_BK == 0;
+        // A long prefill of a packed or FP8 weight decodes it to bf16 once (exactly as their GEMMs
+        // do per tile) and takes the streamed bf16 GEMM: the same products, in the same order.
+        let widen = wgmma && t >= WIDEN_MIN_T && !w.is_bf16();
         if let WeightFormat::Packed(format) = w.format {
-            let (kernel, shared) = if wgmma { ("gemm_wg_packed", GEMM_WG_SHARED_PACKED) } else { ("gemm_packed", 0) };
-            let args = [Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0)].into_iter().chain(common).chain(sizes);
-            return self.rt.launch(kernel, grid, [GEMM_THREADS, 1, 1], shared, &args.collect::<Vec<_>>());
+            if !widen {
+                let (kernel, shared) = if wgmma { ("gemm_wg_packed", GEMM_WG_SHARED_PACKED) } else { ("gemm_packed", 0) };
+                let args = [Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0)].into_iter().chain(common).chain(sizes);
+                return self.rt.launch(kernel, grid, [GEMM_THREADS, 1, 1], shared, &args.collect::<Vec<_>>());
+            }
         }
+        let widened = if widen { Some(self.widen_to_bf16(w)?) } else { None };
         if t <= GEMV_MAX_T && w.is_bf16() && k % 8 == 0 {
             let args: Vec<Arg> = [Arg::Ptr(w.buf.ptr)].into_iter().chain(common).chain(sizes).collect();
             let grid = [blocks(n, BLOCK / self.rt.warp_size()), 1, 1];
             return self.rt.launch("gemv_bf16", grid, [BLOCK, 1, 1], 0, &args);
         }
-        let mut args = vec![Arg::Ptr(w.buf.ptr)];
-        if w.is_fp8() {
+        let mut args = vec![Arg::Ptr(widened.as_ref().map_or(w.buf.ptr, |bf| bf.buf.ptr))];
+        let fp8 = w.is_fp8() && widened.is_none();
+        if fp8 {
             args.push(Arg::Ptr(w.scales()));
         }
         if wgmma {
@@ -447,11 +458,31 @@ impl GpuBackend {
             self.rt.launch("to_bf16", [blocks(values / 8, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &round)?;
             args.push(Arg::Ptr(xb.buf.ptr));
             args.extend(common.into_iter().skip(1).chain(sizes));
-            let shared = if w.is_fp8() { GEMM_WG_SHARED_FP8 } else { GEMM_WG_SHARED_BF16 };
-            return self.rt.launch(&w.kernel("gemm_wg"), grid, [GEMM_THREADS, 1, 1], shared, &args);
+            let (kernel, shared) = if fp8 { ("gemm_wg_fp8", GEMM_WG_SHARED_FP8) } else { ("gemm_wg_bf16", GEMM_WG_SHARED_BF16) };
+            return self.rt.launch(kernel, grid, [GEMM_THREADS, 1, 1], shared, &args);
         }
         args.extend(common.into_iter().chain(sizes));
         self.rt.launch(&w.kernel("gemm"), grid, [GEMM_THREADS, 1, 1], 0, &args)
+    }
+
+    /// A packed or FP8 weight decoded to bf16 [rows, cols] (a temporary; cols % 32 == 0).
+    fn widen_to_bf16(&self, w: &GpuWeight) -> Result<GpuTensor> {
+        let (n, k) = (w.rows, w.cols);
+        let bf = self.tensor(n, k / 2)?;
+        let grid = [blocks(n * k / 16, BLOCK), 1, 1];
+        let size = [Arg::I32(n as i32), Arg::I32(k as i32)];
+        match w.format {
+            WeightFormat::Packed(format) => {
+                let args = [[Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0)], size].concat();
+                self.rt.launch("dequant_packed_bf16", grid, [BLOCK, 1, 1], 0, &[args, vec![Arg::Ptr(bf.buf.ptr)]].concat())?;
+            }
+            WeightFormat::Fp8 { ref scales } => {
+                let args = [vec![Arg::Ptr(w.buf.ptr), Arg::Ptr(scales.ptr)], size.to_vec(), vec![Arg::I32(k.div_ceil(128) as i32), Arg::Ptr(bf.buf.ptr)]].concat();
+                self.rt.launch("dequant_fp8_bf16", grid, [BLOCK, 1, 1], 0, &args)?;
+            }
+            WeightFormat::Bf16 => return Err(Error::InvalidArgument("widen_to_bf16 of a bf16 weight".into())),
+        }
+        Ok(bf)
     }
 
     /// The tickets buffer (see `tickets`), made with the first KV cache, never while a step is

@@ -19,8 +19,11 @@ pub struct BenchArgs {
     /// qwen3.6-35b-a3b (Gated DeltaNet; the second with 256 experts).
     #[arg(long)]
     synthetic: Option<String>,
-    /// Weight format of the synthetic model's projections: bf16, or fp8 (E4M3 with a scale per
-    /// 128×128 block, as Qwen's FP8 checkpoints).
+    /// Weight format of the synthetic model's projections: bf16, fp8 (E4M3 with a scale per
+    /// 128×128 block, as Qwen's FP8 checkpoints), or a GGML block format by its GGUF type name
+    /// (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4, nvfp4, q4_0_rocmfp4,
+    /// q4_0_rocmfp4_fast: random blocks made on the host for every matrix but the embeddings,
+    /// lm_head too, packed on upload as a GGUF's are).
     #[arg(long, default_value = "bf16")]
     format: String,
     /// Prompt lengths to prefill (comma-separated); 0 skips prefill tests.
