@@ -155,9 +155,11 @@ ATLAS_KERNEL void moe_down_bf16(const bf16* down, const float* sd, const int* id
         if (first + r < H) y[(long)s * H + first + r] = acc[r];
 }
 
-// The same over FP8 weights, as gemv1_gate_up_fp8 / gemv1_fp8: 16 rows per block. Launch: grid
-// (ceil(rows / 16), top_k (+ 1)), block FP8_UNITS * 32, dynamic shared memory ceil(K / 128) * 256
-// bytes (K = H for gate/up, I for down). K % 16 == 0.
+// The same over FP8 weights, as gemv1_gate_up_fp8 / gemv1_fp8: 16 rows (gate/up) or 32 rows (down,
+// two tiles: its K = I is small, often fewer 128-column blocks than the block has units, so a
+// block's staging of the input and its final sums serve twice the rows) per block. Launch: grid
+// (ceil(rows / 16 or 32), top_k (+ 1)), block FP8_UNITS * 32, dynamic shared memory
+// ceil(K / 128) * 256 bytes (K = H for gate/up, I for down). K % 16 == 0.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     moe_gate_up_fp8(const unsigned char* gate, const unsigned char* up, const float* sg, const float* su,
                     const int* ids, const float* x, const float* norm_w, float eps, const unsigned char* shared_g,
@@ -197,17 +199,22 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     const long grid = (long)((H + FP8_BLOCK - 1) / FP8_BLOCK) * ((I + FP8_BLOCK - 1) / FP8_BLOCK);
     const unsigned char* d = shared ? shared_d : down + e * H * I;
     const float* ds = shared ? shared_sd : sd + e * grid;
-    Fp8Rows tile[1];
+    Fp8Rows tiles[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int row = blockIdx.x * 16 + lane / 4 + 8 * h;
-        tile[0].set(h, d, ds, row < H ? row : 0, I);
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = blockIdx.x * 32 + 16 * i + lane / 4 + 8 * h;
+            tiles[i].set(h, d, ds, row < H ? row : 0, I);
+        }
+    float out[2];
+    fp8_rows_dot<2>(tiles, act + (long)s * I, nullptr, 0.0f, I, out);
+    if (threadIdx.x >= 16) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int n = blockIdx.x * 32 + 16 * i + threadIdx.x;
+        if (n < H) y[(long)s * H + n] = out[i];
     }
-    float out[1];
-    fp8_rows_dot<1>(tile, act + (long)s * I, nullptr, 0.0f, I, out);
-    const int n = blockIdx.x * 16 + threadIdx.x;
-    if (threadIdx.x >= 16 || n >= H) return;
-    y[(long)s * H + n] = out[0];
 }
 
 // ---- Prefill: the assignments grouped by expert ------------------------------------------------

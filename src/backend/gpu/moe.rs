@@ -288,7 +288,8 @@ impl GpuBackend {
         let k32 = slots as u32;
         if ex.fp8 {
             let block = [FP8_GEMV_THREADS, 1, 1];
-            let (gi, gh) = ([blocks(i, FP8_GEMV_ROWS), k32, 1], [blocks(h, FP8_GEMV_ROWS), k32, 1]);
+            // moe_down_fp8 takes two tiles of rows a block.
+            let (gi, gh) = ([blocks(i, FP8_GEMV_ROWS), k32, 1], [blocks(h, 2 * FP8_GEMV_ROWS), k32, 1]);
             self.rt.launch("moe_gate_up_fp8", gi, block, fp8_staged(h) as u32, &gate_up)?;
             self.rt.launch("moe_down_fp8", gh, block, fp8_staged(i) as u32, &down)?;
         } else {
