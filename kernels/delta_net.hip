@@ -221,7 +221,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 // DC_CHUNK·(dk + 1) (k̂) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a time, then A, then T in place)
 // + 4·DC_CHUNK (β, γ, βΓ, q's scale). Only the first value head of each key head writes qn and kn.
 // Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
                      float* qn, float* kn, float* w, float* u, float* p, float* gam, int T, int key_heads,
                      int value_heads, int dk, int dv) {
@@ -400,7 +400,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
 // DC_CHUNK. A thread owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U and o,
 // and of S (rows tr + DC_RSTEP·m up to dk).
 // Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 4)
     delta_chunk_scan(const float* qn, const float* kn, const float* w, const float* u, const float* p,
                      const float* gam, float* state, float* out, int T, int key_heads, int value_heads, int dk,
                      int dv) {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # docs/quantization.md's quality table for the default model: SmolLM2-135M-Instruct (shipped as
 # Q4_1) decoded to an F32 base (scripts/dequant_gguf.py: exact), every format `atlas quantize`
-# writes made from that base, plus the types only llama-quantize writes (IQ4_NL, IQ4_XS, Q4_1);
-# then each file scored against the base on the same text by Atlas (`atlas kld`, CPU) and by
+# writes made from that base, plus llama-quantize's Q4_K_M (ggml's own search) and the types Atlas
+# reads but does not write (IQ4_NL, IQ4_XS, Q4_1); then each file scored against the base on the
+# same text by Atlas (`atlas kld`, CPU) and, where llama.cpp has the type (not ROCmFP4), by
 # llama.cpp (`llama-perplexity --kl-divergence`): one markdown row per file and engine. Files that
 # exist are kept, so a second run only scores.
 #
@@ -20,7 +21,7 @@ base=$work/smollm2-f32.gguf
 
 atlas_types=(Q8_0 Q6_K Q5_K Q4_K_M Q4_K Q4_0 Q4_0_ROCMFP4 Q4_0_ROCMFP4_LEAN Q4_0_ROCMFP4_COHERENT Q4_0_ROCMFP4_FAST
     Q4_0_ROCMFP4_FAST_COHERENT Q4_0_ROCMFP4_STRIX Q4_0_ROCMFP4_STRIX_LEAN Q4_0_ROCMFP4_EVEN Q4_0_ROCMFP4_FAST_EVEN)
-llama_types=(Q8_0 Q6_K Q5_K_M Q4_K_M IQ4_NL IQ4_XS Q4_1 Q4_0)
+llama_types=(Q4_K_M IQ4_NL IQ4_XS Q4_1)
 files=()
 for t in "${atlas_types[@]}"; do
     f=$work/atlas-$t.gguf
@@ -49,6 +50,7 @@ r = json.load(open(sys.argv[1]))
 print(f"| {sys.argv[2]} | {sys.argv[3]} | Atlas | {r['model']['ppl']:.3f} | {r['kld_mean']:.5f} ± {r['kld_error']:.5f} | "
       f"{r['kld_median']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.1f} % |")
 PY
+    [[ $name == *ROCMFP4* ]] && continue  # types 100/101 exist only in the ROCmFPX fork
     "$llama/llama-perplexity" -m "$f" -f "$text" -c "$ctx" --chunks "$chunks" -t "$(nproc)" \
         --kl-divergence-base "$logits" --kl-divergence >"$work/$name.llama.log" 2>&1
     python3 - "$work/$name.llama.log" "$name" "$mib" <<'PY'
