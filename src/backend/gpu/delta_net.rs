@@ -120,7 +120,7 @@ impl GpuBackend {
         if t >= DC_CHUNK && dk <= DC_MAX_DK {
             let (prep_shared, scan_shared) = chunked_shared_bytes(dk);
             if prep_shared.max(scan_shared) <= self.rt.max_shared_bytes() as usize {
-                self.chunked_delta_rule(qkv, a, b, a_log, dt_bias, state, &out, shape)?;
+                self.chunked_delta_rule([qkv, a, b, a_log, dt_bias], state, &out, shape)?;
                 return Ok(out);
             }
         }
@@ -143,19 +143,10 @@ impl GpuBackend {
     }
 
     /// The chunked form (kernels/delta_net.hip, delta_chunk_prep then delta_chunk_scan) over
-    /// slices of at most DC_SLICE tokens, the state carried from slice to slice.
-    #[allow(clippy::too_many_arguments)]
-    fn chunked_delta_rule(
-        &self,
-        qkv: &GpuTensor,
-        a: &GpuTensor,
-        b: &GpuTensor,
-        a_log: &GpuTensor,
-        dt_bias: &GpuTensor,
-        state: &mut GpuTensor,
-        out: &GpuTensor,
-        shape: DeltaShape,
-    ) -> Result<()> {
+    /// slices of at most DC_SLICE tokens, the state carried from slice to slice. `inputs`: qkv,
+    /// a, b, a_log, dt_bias as launch_gated_delta_rule takes them (checked there).
+    fn chunked_delta_rule(&self, inputs: [&GpuTensor; 5], state: &mut GpuTensor, out: &GpuTensor, shape: DeltaShape) -> Result<()> {
+        let [qkv, a, b, a_log, dt_bias] = inputs;
         let DeltaShape { key_heads: hk, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
         let t = qkv.rows;
         let slice = t.min(DC_SLICE);
