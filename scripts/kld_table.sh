@@ -59,9 +59,11 @@ text = open(sys.argv[1]).read()
 def grab(label):
     m = re.search(r"^" + re.escape(label) + r"\s*:\s*([-0-9.e+]+)(?:\s*±\s*([-0-9.e+]+))?", text, re.M)
     return (m.group(1), m.group(2)) if m else ("?", None)
-ppl = grab("Mean PPL(Q)")[0]
-mean, err = grab("Mean    KLD")
-print(f"| {sys.argv[2]} | {sys.argv[3]} | llama.cpp | {ppl} | {mean} ± {err} | {grab('Median  KLD')[0]} | "
-      f"{grab('99.0%   KLD')[0]} | {grab('Same top p')[0]} % |")
+def num(label, digits):
+    v = grab(label)
+    return (f"{float(v[0]):.{digits}f}" if v[0] != "?" else "?"), (f"{float(v[1]):.{digits}f}" if v[1] else "?")
+mean, err = num("Mean    KLD", 5)
+print(f"| {sys.argv[2]} | {sys.argv[3]} | llama.cpp | {num('Mean PPL(Q)', 3)[0]} | {mean} ± {err} | "
+      f"{num('Median  KLD', 5)[0]} | {num('99.0%   KLD', 4)[0]} | {num('Same top p', 1)[0]} % |")
 PY
 done
