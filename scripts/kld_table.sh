@@ -43,9 +43,18 @@ echo "| file | MiB | engine | PPL | mean KLD | median | 99 % | same top |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
 for f in "${files[@]}"; do
     name=$(basename "$f" .gguf) mib=$(( $(stat -c %s "$f") / 1048576 ))
-    "$atlas" kld --base "$base" -m "$f" -f "$text" --ctx "$ctx" --chunks "$chunks" --device cpu --json >"$work/$name.atlas.json" 2>"$work/$name.atlas.log"
-    python3 - "$work/$name.atlas.json" "$name" "$mib" <<'PY'
+    if "$atlas" kld --base "$base" -m "$f" -f "$text" --ctx "$ctx" --chunks "$chunks" --device cpu --json >"$work/$name.atlas.json" 2>"$work/$name.atlas.log"; then
+        row_from=json
+    else
+        row_from=error
+    fi
+    python3 - "$work/$name.atlas.json" "$name" "$mib" "$row_from" "$work/$name.atlas.log" <<'PY'
 import json, sys
+if sys.argv[4] == "error":
+    # A file Atlas refuses (say, a type it does not read): the row says why.
+    why = [l for l in open(sys.argv[5]).read().splitlines() if l.startswith("error")][-1:] or ["failed"]
+    print(f"| {sys.argv[2]} | {sys.argv[3]} | Atlas | – | {why[0].replace('|', '/')} | | | |")
+    sys.exit(0)
 r = json.load(open(sys.argv[1]))
 print(f"| {sys.argv[2]} | {sys.argv[3]} | Atlas | {r['model']['ppl']:.3f} | {r['kld_mean']:.5f} ± {r['kld_error']:.5f} | "
       f"{r['kld_median']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.1f} % |")
