@@ -20,7 +20,7 @@ pub struct SyntheticSource {
 }
 
 /// The formats `--format` names: bf16, fp8, or a GGML block format by its GGUF type name.
-pub fn synthetic_formats() -> Vec<&'static str> {
+fn synthetic_formats() -> Vec<&'static str> {
     ["bf16", "fp8"].into_iter().chain(GgmlFormat::ALL.iter().map(|f| f.name())).collect()
 }
 
@@ -34,7 +34,7 @@ const SHAPES: [Shape; 4] = [
 ];
 
 impl SyntheticSource {
-    /// `format`: one of [`synthetic_formats`].
+    /// `format`: bf16, fp8, or a GGML block format by its GGUF type name (q4_k, nvfp4, ...).
     pub fn new(name: &str, format: &str) -> Result<Self> {
         let dtype = match format {
             "bf16" => DType::BF16,

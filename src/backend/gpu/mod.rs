@@ -469,19 +469,16 @@ impl GpuBackend {
     fn widen_to_bf16(&self, w: &GpuWeight) -> Result<GpuTensor> {
         let (n, k) = (w.rows, w.cols);
         let bf = self.tensor(n, k / 2)?;
-        let grid = [blocks(n * k / 16, BLOCK), 1, 1];
-        let size = [Arg::I32(n as i32), Arg::I32(k as i32)];
-        match w.format {
-            WeightFormat::Packed(format) => {
-                let args = [[Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0)], size].concat();
-                self.rt.launch("dequant_packed_bf16", grid, [BLOCK, 1, 1], 0, &[args, vec![Arg::Ptr(bf.buf.ptr)]].concat())?;
-            }
+        let (rows, cols, out) = (Arg::I32(n as i32), Arg::I32(k as i32), Arg::Ptr(bf.buf.ptr));
+        let (kernel, args) = match w.format {
+            WeightFormat::Packed(format) => ("dequant_packed_bf16", vec![Arg::Ptr(w.buf.ptr), Arg::I32(packed_kernel(format).0), rows, cols, out]),
             WeightFormat::Fp8 { ref scales } => {
-                let args = [vec![Arg::Ptr(w.buf.ptr), Arg::Ptr(scales.ptr)], size.to_vec(), vec![Arg::I32(k.div_ceil(128) as i32), Arg::Ptr(bf.buf.ptr)]].concat();
-                self.rt.launch("dequant_fp8_bf16", grid, [BLOCK, 1, 1], 0, &args)?;
+                let kblocks = Arg::I32(k.div_ceil(128) as i32);
+                ("dequant_fp8_bf16", vec![Arg::Ptr(w.buf.ptr), Arg::Ptr(scales.ptr), rows, cols, kblocks, out])
             }
             WeightFormat::Bf16 => return Err(Error::InvalidArgument("widen_to_bf16 of a bf16 weight".into())),
-        }
+        };
+        self.rt.launch(kernel, [blocks(n * k / 16, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &args)?;
         Ok(bf)
     }
 
