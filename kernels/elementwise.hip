@@ -100,16 +100,7 @@ ATLAS_KERNEL void dequant_fp8_bf16(const unsigned char* w, const float* scales, 
     const long at = piece * 16;
     const int row = (int)(at / cols), col = (int)(at % cols);
     const float scale = fp8_scale(scales[(row / FP8_BLOCK) * kblocks + col / FP8_BLOCK]);
-    const uint4 q = *(const uint4*)(w + at);
-    const unsigned int words[4] = {q.x, q.y, q.z, q.w};
-    float f[16];
-#pragma unroll
-    for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
-    unsigned int p[8];
-#pragma unroll
-    for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
-    *(uint4*)(out + at) = make_uint4(p[0], p[1], p[2], p[3]);
-    *(uint4*)(out + at + 8) = make_uint4(p[4], p[5], p[6], p[7]);
+    e4m3x16_to_bf16(*(const uint4*)(w + at), scale, *(uint4*)(out + at), *(uint4*)(out + at + 8));
 }
 
 // splitmix64 of (seed, i): the hash behind synthetic benchmark weights (CPU twin: quant::synthetic).

@@ -154,15 +154,7 @@ __device__ __forceinline__ void gemm_stash(const gemm_stage& s, int fmt, int K, 
 #pragma unroll
         for (int i = 0; i < GEMM_QCH; i++) {
             const int e = threadIdx.x + i * GEMM_THREADS, r = e / (GEMM_BK / 16), k = (e % (GEMM_BK / 16)) * 16;
-            const unsigned int words[4] = {s.w[i].x, s.w[i].y, s.w[i].z, s.w[i].w};
-            float f[16];
-#pragma unroll
-            for (int j = 0; j < 4; j++) e4m3x4_scaled(words[j], f + 4 * j);
-            unsigned int p[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) p[j] = bf16x2_pack(f[2 * j] * s.scale, f[2 * j + 1] * s.scale);
-            *(uint4*)(ws + r * GEMM_LDS + k) = make_uint4(p[0], p[1], p[2], p[3]);
-            *(uint4*)(ws + r * GEMM_LDS + k + 8) = make_uint4(p[4], p[5], p[6], p[7]);
+            e4m3x16_to_bf16(s.w[i], s.scale, *(uint4*)(ws + r * GEMM_LDS + k), *(uint4*)(ws + r * GEMM_LDS + k + 8));
         }
     }
 }
@@ -208,6 +200,17 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[GEMM_TM][GEMM_TN][MMA
     }
 }
 
+// Block id -> the block's tile (t0, n0): column-major within bands of GEMM_GROUP_T T tiles (a
+// bijection on the grid).
+__device__ __forceinline__ void gemm_tile_of_block(int& t0, int& n0) {
+    const int gx = gridDim.x, id = blockIdx.y * gx + blockIdx.x;
+    const int first = (id / (GEMM_GROUP_T * gx)) * GEMM_GROUP_T;
+    const int rows = min((int)gridDim.y - first, GEMM_GROUP_T);
+    const int local = id - first * gx;
+    t0 = (first + local % rows) * GEMM_BM;
+    n0 = (local / rows) * GEMM_BN;
+}
+
 template <int KIND>
 __device__ __forceinline__ void gemm_body(const void* W, const float* scales, int fmt, const float* x, const float* bias,
                                           const float* residual, float* y, int N, int K, int T) {
@@ -217,12 +220,8 @@ __device__ __forceinline__ void gemm_body(const void* W, const float* scales, in
     bf16* xs = (bf16*)xs_raw;
     bf16* ws = (bf16*)ws_raw;
 
-    // Block id -> tile, column-major within bands of GEMM_GROUP_T T tiles (a bijection on the grid).
-    const int gx = gridDim.x, id = blockIdx.y * gx + blockIdx.x;
-    const int first = (id / (GEMM_GROUP_T * gx)) * GEMM_GROUP_T;
-    const int rows = min((int)gridDim.y - first, GEMM_GROUP_T);
-    const int local = id - first * gx;
-    const int t0 = (first + local % rows) * GEMM_BM, n0 = (local / rows) * GEMM_BN;
+    int t0, n0;
+    gemm_tile_of_block(t0, n0);
 
     float acc[GEMM_TM][GEMM_TN][MMA_ACC];
 #pragma unroll
@@ -302,16 +301,6 @@ __device__ __forceinline__ unsigned char* gwg_tiles() {
     return gwg_raw + ((1024 - (at & 1023)) & 1023);
 }
 
-// Block id -> (t0, n0) as gemm_body.
-__device__ __forceinline__ void gwg_tile_of_block(int& t0, int& n0) {
-    const int gx = gridDim.x, id = blockIdx.y * gx + blockIdx.x;
-    const int first = (id / (GEMM_GROUP_T * gx)) * GEMM_GROUP_T;
-    const int rows = min((int)gridDim.y - first, GEMM_GROUP_T);
-    const int local = id - first * gx;
-    t0 = (first + local % rows) * GEMM_BM;
-    n0 = (local / rows) * GEMM_BN;
-}
-
 // One step's four products of this warpgroup's 64 tokens against the W tile.
 __device__ __forceinline__ void gwg_products(float (&d)[64], const unsigned char* xs, const unsigned char* ws) {
     const int group = threadIdx.x / 128;
@@ -341,7 +330,7 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
                                               const float* bias, const float* residual, float* y, int N, int K, int T) {
     unsigned char* tiles = gwg_tiles();
     int t0, n0;
-    gwg_tile_of_block(t0, n0);
+    gemm_tile_of_block(t0, n0);
     const int steps = K / GWG_BK, tid = threadIdx.x;
     // bf16: stage j is an x tile and a W tile. FP8: x tiles, then two decoded W tiles (by step
     // parity), then the stages' raw codes and scales.
@@ -385,16 +374,8 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
-            const uint4 q = *(const uint4*)(raw + j * GWG_RAW + r * GWG_BK + c);
-            const unsigned int words[4] = {q.x, q.y, q.z, q.w};
-            float f[16];
-#pragma unroll
-            for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
-            unsigned int p[8];
-#pragma unroll
-            for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
-            *(uint4*)(w_tile(step) + wg_swizzle(r, c)) = make_uint4(p[0], p[1], p[2], p[3]);
-            *(uint4*)(w_tile(step) + wg_swizzle(r, c + 8)) = make_uint4(p[4], p[5], p[6], p[7]);
+            e4m3x16_to_bf16(*(const uint4*)(raw + j * GWG_RAW + r * GWG_BK + c), scale,
+                            *(uint4*)(w_tile(step) + wg_swizzle(r, c)), *(uint4*)(w_tile(step) + wg_swizzle(r, c + 8)));
         }
         wg_proxy_fence();
         __syncthreads();
@@ -490,7 +471,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
                    int N, int K, int T) {
     unsigned char* tiles = gwg_tiles();
     int t0, n0;
-    gwg_tile_of_block(t0, n0);
+    gemm_tile_of_block(t0, n0);
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) d[i] = 0.0f;

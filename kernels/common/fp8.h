@@ -24,6 +24,21 @@ __device__ __forceinline__ void e4m3x4_scaled(unsigned int w, float* out) {
     out[3] = e4m3_top_scaled(w);
 }
 
+// Sixteen codes (a uint4, low byte first) times `scale` (an fp8_scale()d block scale) as bf16,
+// rounded to nearest even, in two halves of eight: the one rounding every FP8 -> bf16 widening
+// uses (the FP8 GEMMs' tiles and dequant_fp8_bf16 must agree bit for bit).
+__device__ __forceinline__ void e4m3x16_to_bf16(uint4 q, float scale, uint4& lo, uint4& hi) {
+    const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+    float f[16];
+#pragma unroll
+    for (int h = 0; h < 4; h++) e4m3x4_scaled(words[h], f + 4 * h);
+    unsigned int p[8];
+#pragma unroll
+    for (int h = 0; h < 8; h++) p[h] = bf16x2_pack(f[2 * h] * scale, f[2 * h + 1] * scale);
+    lo = make_uint4(p[0], p[1], p[2], p[3]);
+    hi = make_uint4(p[4], p[5], p[6], p[7]);
+}
+
 // 2^120 as bits (exponent 247): the factor e4m3_scaled leaves out.
 __device__ __forceinline__ float fp8_scale(float scale_inv) { return scale_inv * __uint_as_float(0x7b800000u); }
 
