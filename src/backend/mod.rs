@@ -171,6 +171,10 @@ pub trait Backend: Send + Sync {
 
     /// A short human-readable description ("cpu (2 threads)").
     fn describe(&self) -> String;
+    /// Bytes of device memory free now; None where it cannot be told (the host's memory).
+    fn free_memory(&self) -> Option<usize> {
+        None
+    }
 
     /// Whether the ops behind `cap` run here. The ops below that have a default body (an
     /// Unsupported error) are what a backend without the capability lacks.
@@ -187,6 +191,21 @@ pub trait Backend: Send + Sync {
     /// A cache for `capacity` positions (it may grow past that on backends that can).
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<Self::KvCache>;
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+
+    /// Positions `start..start + len` of `cache`, copied out into a cache of their own (a block of
+    /// the prefix cache). Bit-exact: restoring them gives back the same keys and values.
+    fn save_kv(&self, cache: &Self::KvCache, start: usize, len: usize) -> Result<Self::KvCache>;
+    /// Writes every position of `saved` (from `save_kv`) into `cache` from `start` on; positions
+    /// past them are left to be overwritten by later steps.
+    fn restore_kv(&self, saved: &Self::KvCache, cache: &mut Self::KvCache, start: usize) -> Result<()>;
+    /// Bytes `cache` holds (what a saved block costs the prefix cache's budget).
+    fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
+    /// Bytes `x` holds.
+    fn tensor_bytes(&self, x: &Self::Tensor) -> usize;
+    /// A copy of `x` (a recurrent state saved for later).
+    fn save_tensor(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Copies `saved` into `x`, which keeps its storage (recorded decode steps point at it).
+    fn restore_tensor(&self, saved: &Self::Tensor, x: &mut Self::Tensor) -> Result<()>;
 
     /// Rows of `table` for each token: `[tokens.len(), table.cols]`.
     fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Result<Self::Tensor>;

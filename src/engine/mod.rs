@@ -2,6 +2,7 @@
 //! into tokens and text, reusing the cached prefix of the previous request.
 
 mod frontend;
+pub mod prefix;
 mod stop;
 
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use frontend::{check_fits, Frontend};
+pub use prefix::PrefixCache;
 pub use stop::{StopMatcher, StopOutcome};
 
 use crate::backend::cpu::CpuBackend;
@@ -19,7 +21,7 @@ use crate::gguf::GgufStore;
 use crate::grammar::{GrammarSpec, GrammarVocab};
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
-use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, Meanwhile, ModelConfig, WeightSource};
+use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, Meanwhile, ModelConfig, SavedCache, WeightSource};
 use crate::sampling::{Adjustment, DeviceChoice, Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
@@ -55,11 +57,17 @@ pub struct EngineOptions {
     pub ctx_size: Option<usize>,
     /// CPU threads; 0 uses every core.
     pub threads: usize,
+    /// Memory for the prefix cache (see `prefix`), in bytes; 0 turns it off. None: half the
+    /// device memory free after the load, or `DEFAULT_HOST_PREFIX_CACHE` on the CPU.
+    pub prefix_cache_bytes: Option<usize>,
 }
+
+/// The prefix cache's budget where the model runs in host memory.
+pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0 }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None }
     }
 }
 
@@ -77,6 +85,8 @@ pub struct LoadReport {
     pub unused: Vec<String>,
     /// What the load changed from what was asked (a ctx_size past the model's positions).
     pub notes: Vec<String>,
+    /// The prefix cache's budget in bytes.
+    pub prefix_cache_bytes: usize,
     pub load_ms: f64,
 }
 
@@ -123,6 +133,8 @@ pub struct Engine {
     front: Frontend,
     /// Tokens whose keys and values are in the cache, in order.
     cached: Vec<u32>,
+    /// Pieces of earlier requests' caches, for prompts that begin as theirs did.
+    prefix: PrefixCache,
     default_seed: Option<u64>,
     report: LoadReport,
     /// The vocabulary for constrained decoding, read at the first request that needs it.
@@ -167,6 +179,7 @@ impl Engine {
         let Parts { config, defaults, tokenizer, template, store, unused } = parts;
         let (ctx_size, notes) = resolve_ctx(opts.ctx_size, &config)?;
         let model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
+        let prefix_cache_bytes = opts.prefix_cache_bytes.unwrap_or_else(|| model.free_memory().map_or(DEFAULT_HOST_PREFIX_CACHE, |free| free / 2));
         let report = LoadReport {
             model_dir: path.display().to_string(),
             architecture: model.config().arch.name().to_string(),
@@ -177,10 +190,12 @@ impl Engine {
             has_chat_template: template.is_some(),
             unused,
             notes,
+            prefix_cache_bytes,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
         let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
-        Ok(Engine { model, front, cached: Vec::new(), default_seed: None, report, grammar_vocab: None })
+        let prefix = PrefixCache::new(prefix_cache_bytes);
+        Ok(Engine { model, front, cached: Vec::new(), prefix, default_seed: None, report, grammar_vocab: None })
     }
 
     /// The tokenizer, template and limits, shared: usable while the engine runs a request.
@@ -416,15 +431,9 @@ impl Engine {
         let mut detok = Detokenizer::new(true);
         let mut stops = StopMatcher::new(req.stop.clone());
 
-        // Reuse the longest common prefix; at least the last prompt token is run for its logits.
         let prompt = &req.prompt;
-        let mut reuse = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
-        // Recurrent layers hold one state for all cached tokens: usable only to continue them.
-        if reuse < self.cached.len() && !self.model.can_rewind() {
-            reuse = 0;
-        }
-        self.cached.truncate(reuse);
         let t0 = Instant::now();
+        let reuse = self.reuse_prefix(prompt)?;
         // The choice is made where the logits are when it can be (greedy: the argmax; plain
         // temperature: a draw with the sampler's uniform number; top-k, and top-p / min-p whose
         // cut falls among the 64 best: those candidates and the log-partition), after the
@@ -495,8 +504,10 @@ impl Engine {
         };
         let mut history = prompt.clone();
         // A failed step may leave the cache (recurrent states above all) part-written: forget it.
-        let (mut next, mut next_logprob) = next_token(&mut self.model, &prompt[reuse..], reuse).inspect_err(|_| self.cached.clear())?;
-        self.cached.extend_from_slice(&prompt[reuse..]);
+        let start = self.prefill_with_states(prompt).inspect_err(|_| self.cached.clear())?;
+        let (mut next, mut next_logprob) = next_token(&mut self.model, &prompt[start..], start).inspect_err(|_| self.cached.clear())?;
+        self.cached.extend_from_slice(&prompt[start..]);
+        self.save_prefix();
         let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let t1 = Instant::now();
@@ -547,8 +558,63 @@ impl Engine {
                 release(&stops.flush(), &mut out.text, on_text)?;
             }
         }
+        self.save_prefix();
         out.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
         Ok(out)
+    }
+
+    /// Makes the cache hold the longest prefix of `prompt` it can without computing it (the
+    /// previous request's, else the prefix cache's pieces), always short of the last prompt
+    /// token, which is run for its logits; returns its length.
+    fn reuse_prefix(&mut self, prompt: &[u32]) -> Result<usize> {
+        let limit = prompt.len() - 1;
+        let common = common_prefix(&self.cached, prompt).min(limit);
+        // Recurrent layers hold one state for all cached tokens: usable only to continue them.
+        let live = if common < self.cached.len() && !self.model.can_rewind() { 0 } else { common };
+        let hit = self.prefix.lookup(prompt, limit, self.model.is_recurrent()).filter(|h| h.depth > live);
+        let Some(hit) = hit else {
+            self.cached.truncate(live);
+            return Ok(live);
+        };
+        // Positions below `common` hold the same tokens already: only the pieces past them move
+        // (and the last, which holds a recurrent state).
+        let pieces = self.prefix.pieces(&hit, common.min(hit.depth - 1));
+        if let Err(e) = self.model.restore(&pieces) {
+            self.cached.clear();
+            return Err(e);
+        }
+        self.cached = prompt[..hit.depth].to_vec();
+        Ok(hit.depth)
+    }
+
+    /// A model with recurrent layers runs a long prompt in pieces that end every
+    /// `PrefixCache::state_every` positions, saving the state at each end: a later prompt that agrees
+    /// with this one only so far resumes there. Returns where the rest of the prompt starts (all
+    /// but its last stretch, which the caller runs for the logits).
+    fn prefill_with_states(&mut self, prompt: &[u32]) -> Result<usize> {
+        let mut start = self.cached.len();
+        if !self.model.is_recurrent() || self.prefix.budget() == 0 {
+            return Ok(start);
+        }
+        let every = self.prefix.state_every();
+        loop {
+            let end = (start / every + 1) * every;
+            if end >= prompt.len() {
+                return Ok(start);
+            }
+            self.model.step(&prompt[start..end], start, StepOutput::Argmax { limit: usize::MAX })?;
+            self.cached.extend_from_slice(&prompt[start..end]);
+            self.save_prefix();
+            start = end;
+        }
+    }
+
+    /// Offers what the cache holds to the prefix cache. A piece that cannot be saved (no memory
+    /// left on the device) is simply not kept: the request goes on.
+    fn save_prefix(&mut self) {
+        if self.prefix.budget() > 0 && !self.cached.is_empty() {
+            let _ = self.prefix.save(self.model.as_mut(), &self.cached);
+        }
     }
 
 }
@@ -740,6 +806,15 @@ impl LanguageModel for Noted {
     }
     fn can_rewind(&self) -> bool {
         self.inner.can_rewind()
+    }
+    fn save(&mut self, start: usize, end: usize, with_state: bool) -> Result<SavedCache> {
+        self.inner.save(start, end, with_state)
+    }
+    fn restore(&mut self, pieces: &[&SavedCache]) -> Result<()> {
+        self.inner.restore(pieces)
+    }
+    fn free_memory(&self) -> Option<usize> {
+        self.inner.free_memory()
     }
 }
 

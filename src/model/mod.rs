@@ -59,6 +59,42 @@ pub trait LanguageModel: Send {
     /// Whether a step may start at any cached position. Recurrent layers (Gated DeltaNet) keep
     /// one state for the positions so far: they continue from its end or start again at 0.
     fn can_rewind(&self) -> bool;
+    /// Whether the model has recurrent layers, whose state a saved piece must carry to be resumed
+    /// from (see `save`).
+    fn is_recurrent(&self) -> bool {
+        !self.can_rewind()
+    }
+
+    /// Copies positions `start..end` of the cache out: every attention layer's keys and values,
+    /// and with `with_state` every recurrent layer's state, which must then be at `end` (the
+    /// last step ended there). The copy lives on the model's device until dropped.
+    fn save(&mut self, start: usize, end: usize, with_state: bool) -> Result<SavedCache>;
+    /// Writes saved pieces back, in order; they must follow one another from the first's start
+    /// (positions before it are the cache's own). A model with recurrent layers needs the last
+    /// piece's state, and continues from its end.
+    fn restore(&mut self, pieces: &[&SavedCache]) -> Result<()>;
+    /// See `Backend::free_memory`.
+    fn free_memory(&self) -> Option<usize>;
+}
+
+/// A piece of a sequence's cache copied out of a model (`LanguageModel::save`): what the prefix
+/// cache keeps. Only the model that saved it can read it back.
+pub struct SavedCache {
+    pub start: usize,
+    pub end: usize,
+    /// The recurrent layers' state at `end` is in it.
+    pub has_state: bool,
+    /// Device (or host) memory it holds.
+    pub bytes: usize,
+    layers: Box<dyn std::any::Any + Send>,
+}
+
+/// One layer's part of a `SavedCache`.
+enum SavedLayer<B: Backend> {
+    Kv(B::KvCache),
+    State { conv: B::Tensor, state: B::Tensor },
+    /// A recurrent layer saved without its state.
+    Skipped,
 }
 
 /// Host work overlapped with a step; see `LanguageModel::step_with`.
@@ -241,6 +277,71 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
 
     fn backend_description(&self) -> String {
         self.backend.describe()
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        self.backend.free_memory()
+    }
+
+    fn save(&mut self, start: usize, end: usize, with_state: bool) -> Result<SavedCache> {
+        if start >= end || end > self.ctx_size {
+            return Err(Error::InvalidArgument(format!("save: positions {start}..{end} in a context of {}", self.ctx_size)));
+        }
+        let with_state = with_state && self.recurrent;
+        if with_state && self.recurrent_at != Some(end) {
+            return Err(Error::InvalidArgument(format!("save: a state at position {end}, but the recurrent layers are elsewhere")));
+        }
+        let b = &self.backend;
+        let mut bytes = 0;
+        let mut layers = Vec::with_capacity(self.cache.len());
+        for layer in &self.cache {
+            layers.push(match layer {
+                LayerCache::Attention(kv) => {
+                    let saved = b.save_kv(kv, start, end - start)?;
+                    bytes += b.kv_bytes(&saved);
+                    SavedLayer::<B>::Kv(saved)
+                }
+                LayerCache::Recurrent { conv, state } if with_state => {
+                    let (conv, state) = (b.save_tensor(conv)?, b.save_tensor(state)?);
+                    bytes += b.tensor_bytes(&conv) + b.tensor_bytes(&state);
+                    SavedLayer::State { conv, state }
+                }
+                LayerCache::Recurrent { .. } => SavedLayer::Skipped,
+            });
+        }
+        Ok(SavedCache { start, end, has_state: with_state, bytes, layers: Box::new(layers) })
+    }
+
+    fn restore(&mut self, pieces: &[&SavedCache]) -> Result<()> {
+        let Some(last) = pieces.last() else { return Ok(()) };
+        if pieces.windows(2).any(|w| w[0].end != w[1].start) || last.end > self.ctx_size {
+            return Err(Error::InvalidArgument("restore: the saved pieces do not follow one another".into()));
+        }
+        if self.recurrent && !last.has_state {
+            return Err(Error::InvalidArgument("restore: a model with recurrent layers needs a saved state".into()));
+        }
+        // A half-written cache is no state to continue from.
+        self.recurrent_at = None;
+        for piece in pieces {
+            let layers = piece
+                .layers
+                .downcast_ref::<Vec<SavedLayer<B>>>()
+                .filter(|l| l.len() == self.cache.len())
+                .ok_or_else(|| Error::InvalidArgument("restore: the pieces were saved by another model".into()))?;
+            for (saved, live) in layers.iter().zip(&mut self.cache) {
+                match (saved, live) {
+                    (SavedLayer::Kv(saved), LayerCache::Attention(kv)) => self.backend.restore_kv(saved, kv, piece.start)?,
+                    (SavedLayer::State { conv, state }, LayerCache::Recurrent { conv: c, state: s }) => {
+                        self.backend.restore_tensor(conv, c)?;
+                        self.backend.restore_tensor(state, s)?;
+                    }
+                    (SavedLayer::Skipped, LayerCache::Recurrent { .. }) => {}
+                    _ => return Err(Error::InvalidArgument("restore: the pieces were saved by another model".into())),
+                }
+            }
+        }
+        self.recurrent_at = Some(last.end);
+        Ok(())
     }
 }
 

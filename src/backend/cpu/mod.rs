@@ -171,6 +171,46 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
+    fn save_kv(&self, cache: &CpuKvCache, start: usize, len: usize) -> Result<CpuKvCache> {
+        let w = cache.width;
+        let rows = start.checked_add(len).map(|end| start * w..end * w).filter(|r| r.end <= cache.keys.len());
+        let Some(rows) = rows else {
+            return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past the {} cached", cache.keys.len() / w.max(1))));
+        };
+        Ok(CpuKvCache { width: w, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec() })
+    }
+
+    fn restore_kv(&self, saved: &CpuKvCache, cache: &mut CpuKvCache, start: usize) -> Result<()> {
+        if saved.width != cache.width {
+            return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+        }
+        let from = start * cache.width;
+        let end = from + saved.keys.len();
+        cache.keys.resize(end, 0.0);
+        cache.values.resize(end, 0.0);
+        cache.keys[from..].copy_from_slice(&saved.keys);
+        cache.values[from..].copy_from_slice(&saved.values);
+        Ok(())
+    }
+
+    fn kv_bytes(&self, cache: &CpuKvCache) -> usize {
+        std::mem::size_of_val(cache.keys.as_slice()) + std::mem::size_of_val(cache.values.as_slice())
+    }
+
+    fn tensor_bytes(&self, x: &CpuTensor) -> usize {
+        std::mem::size_of_val(x.data.as_slice())
+    }
+
+    fn save_tensor(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        Ok(x.clone())
+    }
+
+    fn restore_tensor(&self, saved: &CpuTensor, x: &mut CpuTensor) -> Result<()> {
+        same_shape(saved, x, "restore_tensor")?;
+        x.data.copy_from_slice(&saved.data);
+        Ok(())
+    }
+
     fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Result<CpuTensor> {
         let cols = table.cols();
         let mut out = vec![0f32; tokens.len() * cols];

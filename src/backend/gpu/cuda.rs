@@ -291,6 +291,11 @@ impl Runtime for CudaRuntime {
         }
     }
 
+    fn free_memory(&self) -> Option<usize> {
+        let _bound = self.bind().ok()?;
+        cu::mem_get_info().ok().map(|(free, _total)| free)
+    }
+
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         let _bound = self.bind()?;
         // SAFETY: both ranges are device allocations of at least `bytes`.

@@ -147,6 +147,7 @@ struct Hip {
     memcpy_htod_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
     memcpy_dtod_async: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, Stream) -> Status,
+    mem_get_info: Option<unsafe extern "C" fn(*mut usize, *mut usize) -> Status>,
     module_load_data: unsafe extern "C" fn(*mut Module, *const c_void) -> Status,
     module_unload: unsafe extern "C" fn(Module) -> Status,
     module_get_function: unsafe extern "C" fn(*mut Function, Module, *const c_char) -> Status,
@@ -432,6 +433,7 @@ unsafe fn load_hip(lib: &Library) -> std::result::Result<Hip, String> {
         memcpy_htod_async: sym(lib, "hipMemcpyHtoDAsync")?,
         memcpy_dtoh_async: sym(lib, "hipMemcpyDtoHAsync")?,
         memcpy_dtod_async: sym(lib, "hipMemcpyDtoDAsync")?,
+        mem_get_info: opt_sym(lib, "hipMemGetInfo"),
         module_load_data: sym(lib, "hipModuleLoadData")?,
         module_unload: sym(lib, "hipModuleUnload")?,
         module_get_function: sym(lib, "hipModuleGetFunction")?,
@@ -916,6 +918,15 @@ impl Runtime for HipRuntime {
         // SAFETY: both ranges are device allocations of at least `bytes`.
         let status = unsafe { (self.api.hip.memcpy_dtod_async)(dst as *mut c_void, src as *mut c_void, bytes, self.stream) };
         self.api.check("copy", status)
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        let get = self.api.hip.mem_get_info?;
+        let _bound = self.bind().ok()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two plain out-parameters, for the device bound above.
+        let status = unsafe { get(&mut free, &mut total) };
+        self.api.check("memory info", status).ok().map(|()| free)
     }
 
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {

@@ -903,6 +903,62 @@ impl Backend for GpuBackend {
         Ok(out)
     }
 
+    fn save_kv(&self, cache: &GpuKvCache, start: usize, len: usize) -> Result<GpuKvCache> {
+        if start.checked_add(len).is_none_or(|end| end > cache.capacity) {
+            return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past a cache of {}", cache.capacity)));
+        }
+        let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(len, cache.width)?.max(2));
+        let saved = GpuKvCache {
+            keys: DeviceBuffer::new(&self.rt, bytes)?,
+            values: DeviceBuffer::new(&self.rt, bytes)?,
+            capacity: len,
+            width: cache.width,
+        };
+        self.rt.copy(saved.keys.ptr, cache.keys.ptr + offset, bytes)?;
+        self.rt.copy(saved.values.ptr, cache.values.ptr + offset, bytes)?;
+        Ok(saved)
+    }
+
+    fn restore_kv(&self, saved: &GpuKvCache, cache: &mut GpuKvCache, start: usize) -> Result<()> {
+        if saved.width != cache.width {
+            return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+        }
+        let end = start.checked_add(saved.capacity).ok_or_else(|| Error::InvalidArgument("restore_kv: position overflow".into()))?;
+        self.grow_cache(cache, end)?;
+        let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(saved.capacity, cache.width)?);
+        self.rt.copy(cache.keys.ptr + offset, saved.keys.ptr, bytes)?;
+        self.rt.copy(cache.values.ptr + offset, saved.values.ptr, bytes)
+    }
+
+    fn kv_bytes(&self, cache: &GpuKvCache) -> usize {
+        2 * kv_bytes(cache.capacity, cache.width).unwrap_or(usize::MAX / 2)
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        self.rt.free_memory()
+    }
+
+    fn tensor_bytes(&self, x: &GpuTensor) -> usize {
+        x.rows * x.cols * 4
+    }
+
+    fn save_tensor(&self, x: &GpuTensor) -> Result<GpuTensor> {
+        let bytes = byte_size("saved tensor", &[x.rows, x.cols, 4])?;
+        let saved = GpuTensor { buf: DeviceBuffer::new(&self.rt, bytes.max(4))?, rows: x.rows, cols: x.cols };
+        self.rt.copy(saved.buf.ptr, x.buf.ptr, bytes)?;
+        Ok(saved)
+    }
+
+    fn restore_tensor(&self, saved: &GpuTensor, x: &mut GpuTensor) -> Result<()> {
+        if (saved.rows, saved.cols) != (x.rows, x.cols) {
+            return Err(Error::InvalidArgument(format!(
+                "restore_tensor: [{}, {}] into [{}, {}]",
+                saved.rows, saved.cols, x.rows, x.cols
+            )));
+        }
+        self.rt.copy(x.buf.ptr, saved.buf.ptr, byte_size("restored tensor", &[x.rows, x.cols, 4])?)
+    }
+
     fn embed(&self, table: &GpuWeight, tokens: &[u32]) -> Result<GpuTensor> {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= table.rows) {
             return Err(Error::InvalidRequest(format!(

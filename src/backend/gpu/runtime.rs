@@ -175,6 +175,10 @@ pub trait Runtime: Send + Sync {
     fn has_wgmma(&self) -> bool {
         false
     }
+    /// Bytes of device memory free now, where the runtime can tell.
+    fn free_memory(&self) -> Option<usize> {
+        None
+    }
     /// Device memory, ordered on the stream (valid for work queued after this call).
     fn alloc(&self, bytes: usize) -> Result<u64>;
     /// Frees after the work queued so far.
