@@ -1384,3 +1384,36 @@ fn quantized_fixture_models_decode_alike_on_cpu_and_gpu() {
         }
     }
 }
+
+/// A conversation resumed from the prefix cache after another took the live cache continues
+/// exactly as it would have from the live cache: the saved keys, values and recurrent states are
+/// copies, bit for bit. (Dense models keep full blocks only, and recompute the rest in another
+/// split, so they are held to the CPU tolerance instead.)
+#[test]
+fn a_restored_prefix_continues_as_the_live_cache_would() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut rng = Rng::new(7);
+    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % 256) as u32).collect() };
+    for name in ["qwen3_5_tiny", "qwen3_5_moe_tiny", "qwen3_untied_gqa"] {
+        let load = || Engine::load(&EngineOptions { device: Device::Cuda, ctx_size: Some(512), ..EngineOptions::new(fixture(name)) }, &mut |_| {}).unwrap();
+        let (first, other, extra) = (tokens(300), tokens(290), tokens(40));
+        let request = |prompt: Vec<u32>| GenerateRequest { logprobs: Some(4), ..greedy(prompt, 12) };
+        let (mut live, mut resumed) = (load(), load());
+        let answer = live.generate_raw(&request(first.clone())).unwrap();
+        assert_eq!(resumed.generate_raw(&request(first.clone())).unwrap().tokens, answer.tokens, "{name}");
+        resumed.generate_raw(&request(other)).unwrap();
+        let follow_up = [first, answer.tokens, extra].concat();
+        let want = live.generate_raw(&request(follow_up.clone())).unwrap();
+        let got = resumed.generate_raw(&request(follow_up)).unwrap();
+        if name == "qwen3_untied_gqa" {
+            assert_eq!(got.cached_tokens, 256, "{name}");
+            let worst = got.logprobs.iter().zip(&want.logprobs).map(|(g, w)| (g.logprob - w.logprob).abs()).fold(0f32, f32::max);
+            assert!(worst < 2e-2, "{name}: log-probabilities differ by {worst}");
+        } else {
+            assert_eq!(got.cached_tokens, want.cached_tokens, "{name}");
+            assert_eq!((got.tokens, got.logprobs), (want.tokens, want.logprobs), "{name}");
+        }
+    }
+}

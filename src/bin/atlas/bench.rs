@@ -46,10 +46,26 @@ pub struct BenchArgs {
     /// tokenizer.json for --json with a synthetic model (which has none of its own).
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
+    /// Also time follow-up turns (each depth > 0 and prompt length): a conversation of d tokens
+    /// is answered, then n more tokens come after it ("pp{n} @ d{d} turn"), also after another
+    /// conversation of d tokens took the cache ("... turn after other"): the time to the first
+    /// token as prompt tokens per second, beside "pp{n} @ d{d}" (the same n tokens on a cache
+    /// already there). The prefix cache is what keeps the second from costing d tokens again.
+    #[arg(long)]
+    turns: bool,
 }
 
 #[derive(Clone, Copy)]
 enum Test {
+    Step(Step),
+    /// A follow-up turn through the engine's generate, as a server runs it; `after_other`: with
+    /// another conversation in between.
+    Turn { after_other: bool },
+}
+
+/// Tests that drive the model step by step.
+#[derive(Clone, Copy, PartialEq)]
+enum Step {
     Prefill,
     /// Random tokens fed in, each next one chosen on the device (and not used).
     Decode,
@@ -64,7 +80,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         return Err(Error::InvalidArgument("--repetitions must be at least 1".into()));
     }
     let longest = args.depth.iter().max().unwrap_or(&0)
-        + args.n_prompt.iter().chain(&args.n_gen).max().unwrap_or(&0);
+        + args.n_prompt.iter().chain(&args.n_gen).max().unwrap_or(&0)
+        // A turn's answer token.
+        + usize::from(args.turns);
     let mut engine = match &args.synthetic {
         Some(name) => {
             let mut opts = args.load.options_without_model()?;
@@ -102,37 +120,49 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut tests: Vec<(String, usize, usize, Test)> = Vec::new();
     for &d in &args.depth {
         let at = if d > 0 { format!(" @ d{d}") } else { String::new() };
-        tests.extend(args.n_prompt.iter().filter(|&&n| n > 0).map(|&n| (format!("pp{n}{at}"), d, n, Test::Prefill)));
+        tests.extend(args.n_prompt.iter().filter(|&&n| n > 0).map(|&n| (format!("pp{n}{at}"), d, n, Test::Step(Step::Prefill))));
+        for &n in args.n_prompt.iter().filter(|&&n| n > 0 && d > 0 && args.turns) {
+            tests.push((format!("pp{n}{at} turn"), d, n, Test::Turn { after_other: false }));
+            tests.push((format!("pp{n}{at} turn after other"), d, n, Test::Turn { after_other: true }));
+        }
         for &n in args.n_gen.iter().filter(|&&n| n > 0) {
             if grammar.is_some() {
-                tests.push((format!("tg{n}{at} fed back"), d, n, Test::FedBack));
-                tests.push((format!("tg{n}{at} json"), d, n, Test::Json));
+                tests.push((format!("tg{n}{at} fed back"), d, n, Test::Step(Step::FedBack)));
+                tests.push((format!("tg{n}{at} json"), d, n, Test::Step(Step::Json)));
             } else {
-                tests.push((format!("tg{n}{at}"), d, n, Test::Decode));
+                tests.push((format!("tg{n}{at}"), d, n, Test::Step(Step::Decode)));
             }
         }
     }
     for (name, depth, n, test) in tests {
         let mut rates = Vec::with_capacity(args.repetitions);
         for _ in 0..args.repetitions {
+            let step = match test {
+                Test::Step(step) => step,
+                Test::Turn { after_other } => {
+                    let (history, other, new) = (random_tokens(depth), random_tokens(depth), random_tokens(n - 1));
+                    rates.push(n as f64 / follow_up_seconds(&mut engine, history, after_other.then_some(other), new)?);
+                    continue;
+                }
+            };
             if depth > 0 {
                 engine.forward(&random_tokens(depth), 0)?;
             }
             let tokens = random_tokens(n);
             let t = Instant::now();
             // As greedy generation runs: the next token is chosen on the device.
-            match test {
-                Test::Prefill => {
+            match step {
+                Step::Prefill => {
                     engine.forward_greedy(&tokens, depth)?;
                 }
-                Test::Decode => {
+                Step::Decode => {
                     for (i, tok) in tokens.iter().enumerate() {
                         engine.forward_greedy(&[*tok], depth + i)?;
                     }
                 }
-                Test::FedBack | Test::Json => {
-                    let mut constraint = match (&grammar, test) {
-                        (Some(g), Test::Json) => Some(g.constraint(&GrammarSpec::JsonObject)?),
+                Step::FedBack | Step::Json => {
+                    let mut constraint = match (&grammar, step) {
+                        (Some(g), Step::Json) => Some(g.constraint(&GrammarSpec::JsonObject)?),
                         _ => None,
                     };
                     let mut tok = tokens[0];
@@ -156,4 +186,30 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         println!("| {:<24} | {:<24} | {:>14} | {:>20} |", model, backend, name, format!("{mean:.2} ± {sd:.2}"));
     }
     Ok(())
+}
+
+/// Seconds to the first token of a turn that follows `history` (answered first, and followed by
+/// the `other` conversation when given): the answer's token and `new` tokens after it.
+fn follow_up_seconds(engine: &mut Engine, history: Vec<u32>, other: Option<Vec<u32>>, new: Vec<u32>) -> Result<f64> {
+    let answer = engine.generate_raw(&one_token(history.clone()))?;
+    if let Some(other) = other {
+        engine.generate_raw(&one_token(other))?;
+    }
+    let follow_up = [history, answer.tokens, new].concat();
+    let t = Instant::now();
+    engine.generate_raw(&one_token(follow_up))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// A greedy request for one token, past end-of-sequence.
+fn one_token(prompt: Vec<u32>) -> atlas::GenerateRequest {
+    atlas::GenerateRequest {
+        prompt,
+        max_tokens: Some(1),
+        sampling: atlas::sampling::SamplingParams { temperature: 0.0, ..Default::default() },
+        stop: Vec::new(),
+        ignore_eos: true,
+        grammar: None,
+        logprobs: None,
+    }
 }
