@@ -1,6 +1,6 @@
 //! OpenAI chat completions end to end on the tiny chat fixture (random weights, real tokenizer and
 //! template): streaming equals the whole answer, cancellation and errors leave the model usable,
-//! seeds reproduce, and several threads can share one model through the C ABI.
+//! seeds reproduce, and several threads (eight agents holding conversations) share one model through the C ABI.
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::PathBuf;
@@ -201,6 +201,84 @@ fn four_threads_share_one_model() {
     });
     // SAFETY: a handle atlas_load returned, unloaded once.
     unsafe { atlas_unload(handle.0) };
+}
+
+fn load_ffi(options: Value) -> Handle {
+    let opts = CString::new(options.to_string()).unwrap();
+    let mut model = std::ptr::null_mut();
+    // SAFETY: NUL-terminated options and an out-pointer to a local.
+    let rc = unsafe { atlas_load(opts.as_ptr(), &mut model, std::ptr::null_mut()) };
+    assert_eq!(rc, AtlasStatus::Ok as i32);
+    Handle(model)
+}
+
+/// One turn of an agent's conversation, as it grows: what the history holds so far.
+struct Turn {
+    answer: Value,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// One agent's conversation of `turns` turns on `handle`, each re-sending the history with the
+/// previous answer.
+fn agent_conversation(handle: Handle, agent: usize, turns: usize) -> Vec<Turn> {
+    let system = "You are a coding agent: plan, call tools, check, answer.";
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    let mut out = Vec::new();
+    for turn in 0..turns {
+        let task = format!("Agent {agent}, step {turn}: the test {} fails with this log. ", agent * 7 + turn).repeat(3);
+        messages.push(json!({"role": "user", "content": task}));
+        let req = json!({"messages": messages, "temperature": 0.7, "seed": agent * 10 + turn, "max_tokens": 16, "stream": turn % 2 == 1});
+        let (rc, resp) = ffi_chat(handle.0, &req.to_string());
+        assert_eq!(rc, 0, "agent {agent} turn {turn}");
+        let resp = resp.unwrap();
+        let usage = |k: &str| resp["usage"][k].as_u64().unwrap();
+        messages.push(json!({"role": "assistant", "content": resp["choices"][0]["message"]["content"].clone()}));
+        out.push(Turn {
+            answer: resp["choices"].clone(),
+            prompt_tokens: usage("prompt_tokens"),
+            completion_tokens: usage("completion_tokens"),
+            cached_tokens: resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+        });
+    }
+    out
+}
+
+/// Eight agents, four turns each, on one model from eight threads at once: every answer is the
+/// one the same conversation gets alone on a model without a prefix cache, and every turn starts
+/// from the previous turn's history (its full 256-position blocks at least), whichever agent ran
+/// in between.
+#[test]
+fn eight_agents_share_one_model_through_the_c_abi() {
+    let options = |extra: Value| {
+        let mut o = json!({"model": model_dir(), "device": "cpu", "ctx_size": 1024});
+        o.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        o
+    };
+    let alone = load_ffi(options(json!({"prefix_cache_bytes": 0})));
+    let expected: Vec<Vec<Value>> = (0..8).map(|agent| agent_conversation(alone, agent, 4).into_iter().map(|t| t.answer).collect()).collect();
+    let shared = load_ffi(options(json!({})));
+    std::thread::scope(|s| {
+        for agent in 0..8 {
+            let expected = &expected;
+            s.spawn(move || {
+                let turns = agent_conversation(shared, agent, 4);
+                for (i, pair) in turns.windows(2).enumerate() {
+                    let history = pair[0].prompt_tokens + pair[0].completion_tokens - 1;
+                    assert!(pair[1].cached_tokens >= history / 256 * 256, "agent {agent} turn {}: {} cached of {history}", i + 1, pair[1].cached_tokens);
+                }
+                assert!(turns[2].prompt_tokens >= 512, "agent {agent}: histories too short to fill blocks");
+                let answers: Vec<Value> = turns.into_iter().map(|t| t.answer).collect();
+                assert_eq!(&answers, &expected[agent], "agent {agent}");
+            });
+        }
+    });
+    // SAFETY: handles atlas_load returned, each unloaded once.
+    unsafe {
+        atlas_unload(alone.0);
+        atlas_unload(shared.0);
+    }
 }
 
 /// Ids are 128 random bits: 10,000 from the generator itself on four threads (the response and
