@@ -365,6 +365,51 @@ def concurrent_requests_queue():
     assert results == [expected.choices[0].message.content] * 4, results
 
 
+def agent_conversation(api, agent, turns=4):
+    """One agent's conversation, each turn re-sending the history with the previous answer:
+    [(answer, prompt_tokens, completion_tokens, cached_tokens)] per turn."""
+    messages = [{"role": "system", "content": "You are a coding agent: plan, call tools, check, answer."}]
+    out = []
+    for turn in range(turns):
+        task = f"Agent {agent}, step {turn}: the test {agent * 7 + turn} fails with this log. " * 3
+        messages.append({"role": "user", "content": task})
+        r = api.chat.completions.create(model=MODEL, messages=messages, temperature=0.7, seed=agent * 10 + turn, max_tokens=16)
+        answer = r.choices[0].message.content
+        messages.append({"role": "assistant", "content": answer})
+        out.append((answer, r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.prompt_tokens_details.cached_tokens))
+    return out
+
+
+@test
+def eight_agents_at_once_answer_as_alone():
+    """8 threads x 4 turns: each conversation's answers equal those it gets alone on a server
+    without a prefix cache, and each turn resumes from the previous history's 256-token blocks
+    whoever ran in between."""
+    with other_server("--prefix-cache", "0") as (url, _):
+        alone = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        expected = [[t[0] for t in agent_conversation(alone, agent)] for agent in range(8)]
+    results, errors = [None] * 8, []
+
+    def one(agent):
+        try:
+            results[agent] = agent_conversation(client, agent)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for agent, turns in enumerate(results):
+        assert [t[0] for t in turns] == expected[agent], (agent, turns, expected[agent])
+        assert turns[2][1] >= 512, f"agent {agent}: histories too short to fill blocks"
+        for before, after in zip(turns, turns[1:]):
+            history = before[1] + before[2] - 1
+            assert after[3] >= history // 256 * 256, f"agent {agent}: {after[3]} cached of {history}"
+
+
 def log_count(pattern):
     path = os.environ.get("ATLAS_SERVER_LOG")
     if not path:
