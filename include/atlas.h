@@ -95,8 +95,8 @@ uint32_t atlas_abi_version(void);
 const char *atlas_version(void);
 
 // Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
-// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N};
-// unknown keys are an error.
+// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
+// "draft_max": N}; unknown keys are an error.
 // On success `*out_model` holds the handle (release it with atlas_unload).
 //
 // # Safety

@@ -127,7 +127,7 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 7] = ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes"];
+const OPTION_KEYS: [&str; 8] = ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes", "draft_max"];
 
 /// Load options as the C ABI takes them.
 struct LoadOptions {
@@ -167,6 +167,7 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         ctx_size: uint("ctx_size")?,
         threads: uint("threads")?.unwrap_or(0),
         prefix_cache_bytes: uint("prefix_cache_bytes")?,
+        draft_max: uint("draft_max")?.unwrap_or(0),
     };
     let max_request_bytes = match uint("max_request_bytes")? {
         Some(0) => return Err(Error::InvalidArgument("option max_request_bytes must be greater than zero".into())),
@@ -185,8 +186,8 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 }
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
-/// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N};
-/// unknown keys are an error.
+/// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
+/// "draft_max": N}; unknown keys are an error.
 /// On success `*out_model` holds the handle (release it with atlas_unload).
 ///
 /// # Safety

@@ -10,7 +10,7 @@ use std::cell::RefCell;
 
 use serde_json::{json, Map, Value};
 
-use super::{per_second, random_id, request::ChatRequest, sampling, ChunkSink};
+use super::{random_id, request::ChatRequest, sampling, ChunkSink};
 use crate::engine::{check_fits, Engine, FinishReason, Frontend, GenerateRequest};
 use crate::sampling::TokenLogprob;
 use crate::tokenizer::Tokenizer;
@@ -216,8 +216,7 @@ pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chun
     let usage = json!({"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion_tokens,
                        "total_tokens": generation.prompt_tokens + completion_tokens,
                        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}});
-    let timings = json!({"cache_n": generation.cached_tokens, "prompt_ms": generation.prompt_ms, "predicted_n": completion_tokens,
-                         "predicted_ms": generation.decode_ms, "predicted_per_second": per_second(completion_tokens, generation.decode_ms)});
+    let timings = super::timings(&generation);
     // Streamed, the log-probabilities went out token by token.
     send(object(json!([{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason}])))?;
     if options.include_usage {

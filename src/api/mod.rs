@@ -188,7 +188,6 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
             FinishReason::Length => "length",
         }
     };
-    let prompt_n = generation.prompt_tokens - generation.cached_tokens;
     let predicted_n = generation.tokens.len();
     let usage = json!({
         "prompt_tokens": generation.prompt_tokens,
@@ -196,17 +195,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         "total_tokens": generation.prompt_tokens + predicted_n,
         "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
     });
-    let timings = json!({
-        "cache_n": generation.cached_tokens,
-        "prompt_n": prompt_n,
-        "prompt_ms": generation.prompt_ms,
-        "prompt_per_token_ms": generation.prompt_ms / prompt_n.max(1) as f64,
-        "prompt_per_second": per_second(prompt_n, generation.prompt_ms),
-        "predicted_n": predicted_n,
-        "predicted_ms": generation.decode_ms,
-        "predicted_per_token_ms": generation.decode_ms / predicted_n.max(1) as f64,
-        "predicted_per_second": per_second(predicted_n, generation.decode_ms),
-    });
+    let timings = timings(&generation);
     let logprobs = match &tokenizer {
         Some(tok) => {
             let content = generation.logprobs.iter().map(|lp| logprob_entry(tok, lp)).collect::<Result<Vec<_>>>()?;
@@ -283,6 +272,29 @@ fn logprob_entry(tok: &Tokenizer, t: &TokenLogprob) -> Result<Value> {
     let top = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect::<Result<Vec<_>>>()?;
     e["top_logprobs"] = Value::Array(top);
     Ok(e)
+}
+
+/// llama.cpp-style `timings`: what was reused (`cache_n`), prompt and generation speed, and
+/// speculative decoding's drafted and confirmed tokens when it ran.
+pub(crate) fn timings(generation: &crate::Generation) -> Value {
+    let prompt_n = generation.prompt_tokens - generation.cached_tokens;
+    let predicted_n = generation.tokens.len();
+    let mut t = json!({
+        "cache_n": generation.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": generation.prompt_ms,
+        "prompt_per_token_ms": generation.prompt_ms / prompt_n.max(1) as f64,
+        "prompt_per_second": per_second(prompt_n, generation.prompt_ms),
+        "predicted_n": predicted_n,
+        "predicted_ms": generation.decode_ms,
+        "predicted_per_token_ms": generation.decode_ms / predicted_n.max(1) as f64,
+        "predicted_per_second": per_second(predicted_n, generation.decode_ms),
+    });
+    if generation.draft_tokens > 0 {
+        t["draft_n"] = json!(generation.draft_tokens);
+        t["draft_n_accepted"] = json!(generation.draft_accepted);
+    }
+    t
 }
 
 fn per_second(n: usize, ms: f64) -> f64 {

@@ -122,6 +122,8 @@ pub enum StepOutput {
     AllLogits,
     /// Only the index of the largest logit among the first `limit` (greedy decoding).
     Argmax { limit: usize },
+    /// That index for every position of the step (greedy verification of drafted tokens).
+    ArgmaxEach { limit: usize },
     /// The `k` largest logits among the first `limit`, as (id, logit), largest first (top-k
     /// sampling), with their log-partition at `temperature` when Some; every logit instead (as
     /// the choice sees them: adjusted, the mask applied) when `cut` does not fall among them.
@@ -135,6 +137,8 @@ pub enum StepOutput {
 pub enum StepResult {
     Logits(Vec<f32>),
     Token(u32),
+    /// One token per position of the step (`StepOutput::ArgmaxEach`).
+    Tokens(Vec<u32>),
     Candidates(Vec<(u32, f32)>, Option<LogPartition>),
 }
 
@@ -202,6 +206,8 @@ pub trait Backend: Send + Sync {
     fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
     /// Bytes `x` holds.
     fn tensor_bytes(&self, x: &Self::Tensor) -> usize;
+    /// Rows of `x`.
+    fn rows_of(&self, x: &Self::Tensor) -> usize;
     /// A copy of `x` (a recurrent state saved for later).
     fn save_tensor(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// Copies `saved` into `x`, which keeps its storage (recorded decode steps point at it).
@@ -388,6 +394,13 @@ pub trait Backend: Send + Sync {
     fn argmax(&self, x: &Self::Tensor, limit: usize) -> Result<u32> {
         let values = self.to_host(x)?;
         Ok(crate::sampling::argmax(&values[..limit.min(values.len())]))
+    }
+
+    /// `argmax` of each row of a `[T, n]` tensor (verifying drafted tokens).
+    fn argmax_rows(&self, x: &Self::Tensor, limit: usize) -> Result<Vec<u32>> {
+        let values = self.to_host(x)?;
+        let n = values.len() / self.rows_of(x).max(1);
+        Ok(values.chunks_exact(n.max(1)).map(|row| crate::sampling::argmax(&row[..limit.min(row.len())])).collect())
     }
 
     /// The `k` largest of the first `limit` values of a `[1, n]` tensor as (index, value), largest

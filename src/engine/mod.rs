@@ -1,6 +1,7 @@
 //! The engine: one loaded model with its tokenizer, chat template and KV cache. It turns a prompt
 //! into tokens and text, reusing the cached prefix of the previous request.
 
+mod draft;
 mod frontend;
 pub mod prefix;
 mod stop;
@@ -60,6 +61,9 @@ pub struct EngineOptions {
     /// Memory for the prefix cache (see `prefix`), in bytes; 0 turns it off. None: half the
     /// device memory free after the load, or `DEFAULT_HOST_PREFIX_CACHE` on the CPU.
     pub prefix_cache_bytes: Option<usize>,
+    /// Speculative decoding of greedy requests: up to this many tokens drafted by prompt lookup
+    /// (see `draft`) and checked in one step; 0 turns it off.
+    pub draft_max: usize,
 }
 
 /// The prefix cache's budget where the model runs in host memory.
@@ -67,7 +71,7 @@ pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0 }
     }
 }
 
@@ -123,6 +127,9 @@ pub struct Generation {
     pub cached_tokens: usize,
     pub prompt_ms: f64,
     pub decode_ms: f64,
+    /// Tokens drafted for speculative decoding, and how many of them the model confirmed.
+    pub draft_tokens: usize,
+    pub draft_accepted: usize,
     /// One per token of `tokens` when the request asked for them: log-softmax of the model's
     /// logits (after a grammar's mask; before biases, penalties, temperature and truncation).
     pub logprobs: Vec<TokenLogprob>,
@@ -135,6 +142,8 @@ pub struct Engine {
     cached: Vec<u32>,
     /// Pieces of earlier requests' caches, for prompts that begin as theirs did.
     prefix: PrefixCache,
+    /// See `EngineOptions::draft_max`.
+    draft_max: usize,
     default_seed: Option<u64>,
     report: LoadReport,
     /// The vocabulary for constrained decoding, read at the first request that needs it.
@@ -195,7 +204,7 @@ impl Engine {
         };
         let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
         let prefix = PrefixCache::new(prefix_cache_bytes);
-        Ok(Engine { model, front, cached: Vec::new(), prefix, default_seed: None, report, grammar_vocab: None })
+        Ok(Engine { model, front, cached: Vec::new(), prefix, draft_max: opts.draft_max, default_seed: None, report, grammar_vocab: None })
     }
 
     /// The tokenizer, template and limits, shared: usable while the engine runs a request.
@@ -454,6 +463,14 @@ impl Engine {
         }
         let mut adjustments_sent = sampler.adjustments().version();
         let limit = sampler.vocab_limit();
+        // Speculative decoding takes plain greedy requests: their choice depends on the logits
+        // alone (no grammar, no adjustments that change as the output grows), so the sampler
+        // and constraint need not see the drafted tokens.
+        let speculate = self.draft_max > 0
+            && choice == Some(DeviceChoice::Argmax)
+            && constraint.is_none()
+            && req.logprobs.is_none()
+            && !req.sampling.adjusts_logits();
         // The next token, and its log-probabilities when the request asks for them.
         let mut next_token = |model: &mut Box<dyn LanguageModel>, tokens: &[u32], pos: usize| -> Result<(u32, Option<TokenLogprob>)> {
             if choice.is_some() && sampler.adjustments().version() != adjustments_sent {
@@ -478,6 +495,7 @@ impl Engine {
             })?;
             let (token, logprob) = match result {
                 StepResult::Token(token) => (token, None),
+                StepResult::Tokens(_) => return Err(Error::Device("the backend returned a token per position".into())),
                 StepResult::Candidates(best, partition) => {
                     let token = sampler
                         .sample_candidates(&best, partition)
@@ -519,10 +537,17 @@ impl Engine {
             cached_tokens: reuse,
             prompt_ms,
             decode_ms: 0.0,
+            draft_tokens: 0,
+            draft_accepted: 0,
             logprobs: Vec::new(),
         };
+        // Tokens chosen and already run (confirmed drafts), before the one chosen last.
+        let mut confirmed = std::collections::VecDeque::new();
         let mut stopped_by_string = false;
         while out.tokens.len() < max_tokens {
+            if let Some(token) = confirmed.pop_front() {
+                next = token;
+            }
             history.push(next);
             if !req.ignore_eos && self.eos_ids().contains(&next) {
                 out.finish_reason = FinishReason::Stop;
@@ -546,9 +571,24 @@ impl Engine {
             if out.tokens.len() == max_tokens {
                 break;
             }
+            if !confirmed.is_empty() {
+                continue;
+            }
             let pos = self.cached.len();
-            (next, next_logprob) = next_token(&mut self.model, &[next], pos).inspect_err(|_| self.cached.clear())?;
-            self.cached.push(history[history.len() - 1]);
+            let room = max_tokens - out.tokens.len() - 1;
+            let drafts = if speculate { draft::ngram_draft(&history, self.draft_max.min(room)) } else { Vec::new() };
+            if drafts.is_empty() {
+                (next, next_logprob) = next_token(&mut self.model, &[next], pos).inspect_err(|_| self.cached.clear())?;
+                self.cached.push(history[history.len() - 1]);
+                continue;
+            }
+            let run = [&[next][..], &drafts].concat();
+            let (kept, following) = verify(self.model.as_mut(), &run, pos, limit).inspect_err(|_| self.cached.clear())?;
+            self.cached.extend_from_slice(&run[..=kept]);
+            out.draft_tokens += drafts.len();
+            out.draft_accepted += kept;
+            confirmed.extend(drafts[..kept].iter().chain([&following]));
+            next = following;
         }
         if let (Some(tok), false) = (text_tokenizer, stopped_by_string) {
             let tail = detok.finish(tok)?;
@@ -617,6 +657,29 @@ impl Engine {
         }
     }
 
+}
+
+/// Runs `run` (the token chosen last, then drafts) at `pos` and keeps the drafts the model would
+/// have chosen itself: returns how many, and its choice after the last of them. A model with
+/// recurrent layers cannot drop the rejected drafts from its state: it goes back to the state
+/// before the step and runs the kept tokens again.
+fn verify(model: &mut dyn LanguageModel, run: &[u32], pos: usize, limit: usize) -> Result<(usize, u32)> {
+    let before = if model.is_recurrent() { Some(model.save(pos - 1, pos, true)?) } else { None };
+    let chosen = match model.step(run, pos, StepOutput::ArgmaxEach { limit })? {
+        StepResult::Tokens(t) if t.len() == run.len() => t,
+        _ => return Err(Error::Device("the backend did not return a token per position".into())),
+    };
+    let kept = draft::accepted(&run[1..], &chosen);
+    match before {
+        Some(state) if kept + 1 < run.len() => {
+            model.restore(&[&state])?;
+            match model.step(&run[..=kept], pos, StepOutput::Argmax { limit })? {
+                StepResult::Token(t) => Ok((kept, t)),
+                _ => Err(Error::Device("the backend did not return a token".into())),
+            }
+        }
+        _ => Ok((kept, chosen[kept])),
+    }
 }
 
 /// Passes `piece` through the stop matcher and hands the releasable text to `on_text`.

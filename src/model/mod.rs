@@ -350,7 +350,8 @@ impl<B: Backend + 'static> Bound<B> {
     /// device works, sets the mask it returns, then makes the choice.
     fn run_step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
         let vocab = self.model.config().vocab_size;
-        if let ([token], true) = (tokens, self.passes > 0 && self.recordable && want != StepOutput::AllLogits) {
+        let every_row = matches!(want, StepOutput::AllLogits | StepOutput::ArgmaxEach { .. });
+        if let ([token], true) = (tokens, self.passes > 0 && self.recordable && !every_row) {
             let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
             let queued = b.replay_decode(*token, start_pos, want)? || {
                 let mut step = || model.forward(b, tokens, start_pos, cache, LogitRows::Last);
@@ -372,12 +373,13 @@ impl<B: Backend + 'static> Bound<B> {
         }
         self.passes += 1;
         let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
-        let rows = if want == StepOutput::AllLogits { LogitRows::All } else { LogitRows::Last };
+        let rows = if every_row { LogitRows::All } else { LogitRows::Last };
         let logits = model.forward(b, tokens, start_pos, cache, rows)?;
         set_mask(b, meanwhile)?;
         Ok(match want {
             StepOutput::Logits | StepOutput::AllLogits => StepResult::Logits(b.to_host(&logits)?),
             StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
+            StepOutput::ArgmaxEach { limit } => StepResult::Tokens(b.argmax_rows(&logits, limit)?),
             StepOutput::Draw { limit, temperature, u } => StepResult::Token(b.draw(&logits, limit, temperature, u)?),
             StepOutput::TopK { k, limit, temperature, cut } => {
                 let best = b.top_k(&logits, k, limit)?;

@@ -201,6 +201,10 @@ impl Backend for CpuBackend {
         std::mem::size_of_val(x.data.as_slice())
     }
 
+    fn rows_of(&self, x: &CpuTensor) -> usize {
+        x.rows
+    }
+
     fn save_tensor(&self, x: &CpuTensor) -> Result<CpuTensor> {
         Ok(x.clone())
     }
@@ -529,6 +533,10 @@ impl Backend for CpuBackend {
     fn argmax(&self, x: &CpuTensor, limit: usize) -> Result<u32> {
         let values = self.masked(x);
         Ok(crate::sampling::argmax(&values[..limit.min(values.len())]))
+    }
+
+    fn argmax_rows(&self, x: &CpuTensor, limit: usize) -> Result<Vec<u32>> {
+        (0..x.rows).map(|r| self.argmax(&CpuTensor::new(1, x.cols, x.row(r).to_vec()), limit)).collect()
     }
 
     fn top_k(&self, x: &CpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {

@@ -353,7 +353,7 @@ impl GpuBackend {
         let limit = match want {
             StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
             // The recording's argmax then reads nothing: the choice is made after the replay.
-            StepOutput::Logits | StepOutput::AllLogits | StepOutput::TopK { .. } | StepOutput::Draw { .. } => 0,
+            StepOutput::Logits | StepOutput::AllLogits | StepOutput::ArgmaxEach { .. } | StepOutput::TopK { .. } | StepOutput::Draw { .. } => 0,
         };
         let mut bytes = [0u8; 12];
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
@@ -942,6 +942,10 @@ impl Backend for GpuBackend {
         x.rows * x.cols * 4
     }
 
+    fn rows_of(&self, x: &GpuTensor) -> usize {
+        x.rows
+    }
+
     fn save_tensor(&self, x: &GpuTensor) -> Result<GpuTensor> {
         let bytes = byte_size("saved tensor", &[x.rows, x.cols, 4])?;
         let saved = GpuTensor { buf: DeviceBuffer::new(&self.rt, bytes.max(4))?, rows: x.rows, cols: x.cols };
@@ -1279,6 +1283,19 @@ impl Backend for GpuBackend {
         self.download_token(out.ptr)
     }
 
+    fn argmax_rows(&self, x: &GpuTensor, limit: usize) -> Result<Vec<u32>> {
+        let out = self.scratch(4 * x.rows.max(1))?;
+        for r in 0..x.rows {
+            // A view of row r: the kernels read [1, cols] from its start.
+            let row = GpuTensor { buf: DeviceBuffer { ptr: x.buf.ptr + (r * x.cols * 4) as u64, rt: None }, rows: 1, cols: x.cols };
+            self.adjust_logits(&row)?;
+            self.launch_argmax(&row, limit, 0, out.ptr + 4 * r as u64)?;
+        }
+        let mut ids = vec![0u8; 4 * x.rows];
+        self.rt.download(out.ptr, &mut ids)?;
+        Ok(ids.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
+
     fn top_k(&self, x: &GpuTensor, k: usize, limit: usize) -> Result<Vec<(u32, f32)>> {
         self.adjust_logits(x)?;
         self.select_top_k(x, k, limit)
@@ -1352,7 +1369,7 @@ impl Backend for GpuBackend {
         let missing = || Error::Device("no recorded decode step".into());
         match want {
             StepOutput::Logits => Ok(StepResult::Logits(self.to_host(d.logits.as_ref().ok_or_else(missing)?)?)),
-            StepOutput::AllLogits => Err(Error::Unsupported("every position's logits from a recorded step".into())),
+            StepOutput::AllLogits | StepOutput::ArgmaxEach { .. } => Err(Error::Unsupported("every position's output from a recorded step".into())),
             StepOutput::Argmax { limit } => {
                 let token = d.token.as_ref().ok_or_else(missing)?;
                 if mask_changed {

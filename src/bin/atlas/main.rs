@@ -150,6 +150,11 @@ pub struct LoadArgs {
     /// memory free after the load; 2048 on the CPU.
     #[arg(long, value_name = "MIB")]
     prefix_cache: Option<usize>,
+    /// Speculative decoding of greedy requests (temperature 0, no grammar, penalties or logprobs):
+    /// up to N tokens guessed from earlier text (prompt lookup: what followed the last earlier
+    /// occurrence of the latest few tokens) and checked by the model in one step. 0: off.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    draft_max: usize,
 }
 
 impl LoadArgs {
@@ -178,6 +183,7 @@ impl LoadArgs {
             ctx_size: self.ctx_size,
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
+            draft_max: self.draft_max,
         })
     }
 
@@ -193,6 +199,7 @@ impl LoadArgs {
             ctx_size: self.ctx_size,
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
+            draft_max: self.draft_max,
         })
     }
 
