@@ -1417,3 +1417,34 @@ fn a_restored_prefix_continues_as_the_live_cache_would() {
         }
     }
 }
+
+/// Speculative decoding on the GPU: greedy answers with prompt-lookup drafts equal those without
+/// on the fixtures (the dense one drafts and has drafts rejected; the hybrid ones, whose random
+/// weights never repeat a passage, draft nothing here: their rollback is tested on the CPU). The
+/// checked steps round differently from single steps (T > 1 takes other kernels), so this holds
+/// where the margins between the best two logits exceed that rounding, as on these fixtures.
+#[test]
+fn drafting_on_the_gpu_changes_no_greedy_answer() {
+    if gpu().is_none() {
+        return;
+    }
+    let (mut drafted, mut accepted) = (0, 0);
+    for name in ["qwen3_untied_gqa", "qwen3_5_tiny", "qwen3_5_moe_tiny"] {
+        let load = |draft_max| {
+            Engine::load(&EngineOptions { device: Device::Cuda, ctx_size: Some(512), draft_max, ..EngineOptions::new(fixture(name)) }, &mut |_| {}).unwrap()
+        };
+        let (mut plain, mut spec) = (load(0), load(4));
+        for seed in 0..3u32 {
+            let passage: Vec<u32> = (0..24).map(|i| (i * 37 + seed * 11) % 256).collect();
+            let prompt = [passage.clone(), passage.clone(), passage[..10].to_vec()].concat();
+            let want = plain.generate_raw(&greedy(prompt.clone(), 60)).unwrap();
+            let got = spec.generate_raw(&greedy(prompt, 60)).unwrap();
+            let same = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
+            println!("{name} seed {seed}: {same} of 60 tokens agree, {} of {} drafts confirmed", got.draft_accepted, got.draft_tokens);
+            assert_eq!(got.tokens, want.tokens, "{name} seed {seed}");
+            drafted += got.draft_tokens;
+            accepted += got.draft_accepted;
+        }
+    }
+    assert!(accepted > 0 && drafted > accepted, "{accepted} of {drafted}");
+}

@@ -97,6 +97,28 @@ mod tests {
         assert!(accepted > 0 && drafted > accepted, "{accepted} of {drafted} drafts confirmed");
     }
 
+    /// A check with a wrong draft in the middle keeps the drafts before it and the model's own
+    /// choice after them; the state it leaves (a hybrid model's rolled back and run again) gives
+    /// the logits a fresh run of the same tokens gives.
+    #[test]
+    fn a_rejected_draft_leaves_the_cache_as_if_never_drafted() {
+        for name in ["qwen3_untied_gqa", "qwen3_5_tiny", "qwen3_5_moe_tiny"] {
+            let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 256).collect();
+            let greedy_tokens = load(name, 0).generate_raw(&greedy(prompt.clone(), 5)).unwrap().tokens;
+            let [g0, g1, g2, g3, _] = greedy_tokens[..] else { panic!("{name}: 5 tokens expected") };
+            let mut engine = load(name, 0);
+            engine.generate_raw(&greedy(prompt.clone(), 1)).unwrap();
+            let pos = prompt.len();
+            // g1 stands, then a draft that is not g2.
+            let run = [g0, g1, (g2 + 1) % 256, g3];
+            let (kept, following) = crate::engine::verify(engine.model.as_mut(), &run, pos, usize::MAX).unwrap();
+            assert_eq!((kept, following), (1, g2), "{name}");
+            let got = engine.model.forward(&[g2], pos + 2).unwrap();
+            let want = load(name, 0).logits(&[prompt, vec![g0, g1, g2]].concat()).unwrap();
+            assert_eq!(got, want, "{name}: logits after the rejected draft");
+        }
+    }
+
     #[test]
     fn drafts_stand_until_the_first_the_model_would_not_choose() {
         assert_eq!(accepted(&[4, 5, 6], &[4, 5, 6, 7]), 3);

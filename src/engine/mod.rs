@@ -325,6 +325,18 @@ impl Engine {
         self.forward_greedy_masked(tokens, start_pos, &mut || Ok(None))
     }
 
+    /// The greedy choice after every position of `tokens` at `start_pos..` (what checking
+    /// drafted tokens computes).
+    pub fn forward_greedy_each(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<u32>> {
+        self.prepare_forward(tokens, start_pos)?;
+        let chosen = match self.model.step(tokens, start_pos, StepOutput::ArgmaxEach { limit: usize::MAX })? {
+            StepResult::Tokens(t) => t,
+            _ => return Err(Error::Device("the backend did not return a token per position".into())),
+        };
+        self.cached.extend_from_slice(tokens);
+        Ok(chosen)
+    }
+
     /// As [`Engine::forward_greedy`], with `mask` run while the device works on the step: the
     /// token mask it returns (see `set_token_mask`) is in force for this choice and later ones.
     pub fn forward_greedy_masked(&mut self, tokens: &[u32], start_pos: usize, mask: &mut Meanwhile<'_>) -> Result<u32> {

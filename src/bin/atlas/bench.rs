@@ -53,6 +53,16 @@ pub struct BenchArgs {
     /// already there). The prefix cache is what keeps the second from costing d tokens again.
     #[arg(long)]
     turns: bool,
+    /// Also time decode in steps of K tokens whose every position's greedy choice is made, as
+    /// speculative decoding checks K - 1 drafted tokens ("tg{n} verify{K}", tokens per second
+    /// counting all K; comparing it with K x tg{n} gives a step's cost against a single token's).
+    #[arg(long, value_name = "K")]
+    verify: Option<usize>,
+    /// Also time greedy generation through the engine, as a server runs it ("tg{n} generate":
+    /// decode tokens per second after a prompt of d tokens, or 64): with --draft-max, the drafted
+    /// and confirmed tokens are printed after the table.
+    #[arg(long)]
+    generate: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -61,6 +71,8 @@ enum Test {
     /// A follow-up turn through the engine's generate, as a server runs it; `after_other`: with
     /// another conversation in between.
     Turn { after_other: bool },
+    /// Greedy generation through the engine's generate.
+    Generate,
 }
 
 /// Tests that drive the model step by step.
@@ -73,6 +85,8 @@ enum Step {
     FedBack,
     /// The same under a JSON-object grammar's mask.
     Json,
+    /// Steps of K tokens, a choice after each (checking drafts).
+    Verify(usize),
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -81,8 +95,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let longest = args.depth.iter().max().unwrap_or(&0)
         + args.n_prompt.iter().chain(&args.n_gen).max().unwrap_or(&0)
-        // A turn's answer token.
-        + usize::from(args.turns);
+        // A turn's answer token; the shortest prompt a generate test uses.
+        + usize::from(args.turns)
+        + if args.generate { 64 } else { 0 };
     let mut engine = match &args.synthetic {
         Some(name) => {
             let mut opts = args.load.options_without_model()?;
@@ -132,8 +147,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             } else {
                 tests.push((format!("tg{n}{at}"), d, n, Test::Step(Step::Decode)));
             }
+            if args.generate {
+                tests.push((format!("tg{n}{at} generate"), d, n, Test::Generate));
+            }
+            if let Some(k) = args.verify.filter(|&k| k > 0) {
+                tests.push((format!("tg{n}{at} verify{k}"), d, n, Test::Step(Step::Verify(k))));
+            }
         }
     }
+    let (mut drafted, mut confirmed) = (0, 0);
     for (name, depth, n, test) in tests {
         let mut rates = Vec::with_capacity(args.repetitions);
         for _ in 0..args.repetitions {
@@ -142,6 +164,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 Test::Turn { after_other } => {
                     let (history, other, new) = (random_tokens(depth), random_tokens(depth), random_tokens(n - 1));
                     rates.push(n as f64 / follow_up_seconds(&mut engine, history, after_other.then_some(other), new)?);
+                    continue;
+                }
+                Test::Generate => {
+                    let request = atlas::GenerateRequest { max_tokens: Some(n), ..one_token(random_tokens(depth.max(64))) };
+                    let out = engine.generate_raw(&request)?;
+                    (drafted, confirmed) = (drafted + out.draft_tokens, confirmed + out.draft_accepted);
+                    rates.push(out.tokens.len() as f64 / (out.decode_ms / 1e3));
                     continue;
                 }
             };
@@ -158,6 +187,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 Step::Decode => {
                     for (i, tok) in tokens.iter().enumerate() {
                         engine.forward_greedy(&[*tok], depth + i)?;
+                    }
+                }
+                Step::Verify(k) => {
+                    for (i, step) in tokens.chunks(k).enumerate() {
+                        engine.forward_greedy_each(step, depth + i * k)?;
                     }
                 }
                 Step::FedBack | Step::Json => {
@@ -184,6 +218,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let mean = rates.iter().sum::<f64>() / rates.len() as f64;
         let sd = (rates.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (rates.len().max(2) - 1) as f64).sqrt();
         println!("| {:<24} | {:<24} | {:>14} | {:>20} |", model, backend, name, format!("{mean:.2} ± {sd:.2}"));
+    }
+    if drafted > 0 {
+        println!("\nspeculative decoding: {confirmed} of {drafted} drafted tokens confirmed ({:.1} %)", 100.0 * confirmed as f64 / drafted as f64);
     }
     Ok(())
 }
