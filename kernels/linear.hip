@@ -6,6 +6,8 @@
 #include "common/packed.h"
 
 #define GEMV_MAX_T 8
+// Tokens the FP8 one-token kernels take at once (one per column of an m16n8k16 mma).
+#define GEMV1_TOKENS 8
 
 // One-token products (decode): each warp computes GEMV_ROWS output rows, each lane streaming
 // 16-byte weight chunks of all of them (two stages of loads in flight), so every x value read is
@@ -219,12 +221,16 @@ struct Fp8Rows {
     }
 };
 
-// The block's input as f16 in shared memory, four values per uint2: x (times norm_w when given)
-// times 2^-FP8_X_SHIFT, zero up to a whole number of `pad` columns. *scale gets the factor the dot
-// products need: 2^FP8_X_SHIFT, times rsqrt(mean(x^2) + eps) when norm_w is given (one pass over x
-// computes both). Every thread of the block must call it (it synchronises). K % 4 == 0.
+// The block's inputs as f16 in shared memory, four values per uint2: `tokens` rows of x (row
+// stride K), each times norm_w when given and times 2^-FP8_X_SHIFT, zero up to a whole number of
+// `pad` columns; token n's at element n * fp8_padded(K, pad) / 4. scale[n] gets the factor token
+// n's dot products need: 2^FP8_X_SHIFT, times its rsqrt(mean(x^2) + eps) when norm_w is given
+// (one pass over x computes both). Each token is staged exactly as a lone token is. Every thread
+// of the block must call it (it synchronises). K % 4 == 0.
+__device__ __forceinline__ int fp8_padded(int K, int pad) { return (K + pad - 1) / pad * pad; }
+
 __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const float* norm_w, float eps, int K, int pad,
-                                                       float* scale) {
+                                                       int tokens, float (&scale)[GEMV1_TOKENS]) {
     extern __shared__ __attribute__((aligned(16))) uint2 fp8_x[];
     __shared__ float scratch[32];
     // Saturate rather than overflow to infinity (a NaN stays a NaN).
@@ -232,15 +238,28 @@ __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const flo
         const float shifted = v * (1.0f / (1 << FP8_X_SHIFT));
         return fabsf(shifted) > 65504.0f ? copysignf(65504.0f, shifted) : shifted;
     };
-    const float ss = stage_input4(x, norm_w, K, [&](int i, float4 v) {
-        fp8_x[i] = make_uint2(f16x2_pack(f16_range(v.x), f16_range(v.y)), f16x2_pack(f16_range(v.z), f16_range(v.w)));
-    });
-    const int padded = (K + pad - 1) / pad * pad;
-    for (int i = K / 4 + threadIdx.x; i < padded / 4; i += blockDim.x) fp8_x[i] = make_uint2(0, 0);
-    *scale = 1 << FP8_X_SHIFT;
-    if (norm_w) *scale *= rsqrtf(block_sum(ss, scratch) / K + eps);  // its barriers publish fp8_x too
-    else __syncthreads();
+    const int padded = fp8_padded(K, pad);
+#pragma unroll
+    for (int n = 0; n < GEMV1_TOKENS; n++) {
+        if (n >= tokens) break;
+        uint2* xn = fp8_x + n * (padded / 4);
+        const float ss = stage_input4(x + (long)n * K, norm_w, K, [&](int i, float4 v) {
+            xn[i] = make_uint2(f16x2_pack(f16_range(v.x), f16_range(v.y)), f16x2_pack(f16_range(v.z), f16_range(v.w)));
+        });
+        for (int i = K / 4 + threadIdx.x; i < padded / 4; i += blockDim.x) xn[i] = make_uint2(0, 0);
+        scale[n] = 1 << FP8_X_SHIFT;
+        if (norm_w) scale[n] *= rsqrtf(block_sum(ss, scratch) / K + eps);  // its barriers publish fp8_x too
+    }
+    if (!norm_w) __syncthreads();
     return (const uint4*)fp8_x;
+}
+
+// scale[n] for a token index known only at run time, without indexing the registers.
+__device__ __forceinline__ float fp8_token_scale(const float (&scale)[GEMV1_TOKENS], int n) {
+    float s = scale[0];
+#pragma unroll
+    for (int k = 1; k < GEMV1_TOKENS; k++) s = n == k ? scale[k] : s;
+    return s;
 }
 
 // One 128-column block of a lane's weights: chunks t and t + 4 of rows g and g + 8 of each tile,
@@ -264,13 +283,19 @@ struct Fp8Stage {
     }
 };
 
-// out[i]: row threadIdx.x (0-15) of tile i times the input, summed over K (valid in threads 0-15
-// after the call). Weights are read before pdl_wait(): launched early, they stream in while the
-// previous kernel finishes.
-template <int TILES>
+// out[i]: row threadIdx.x % 16 of tile i times token threadIdx.x / 16 of the input, summed over K
+// (valid in threads below 16 * tokens after the call; tokens <= TOKENS <= GEMV1_TOKENS). Weights
+// are read before pdl_wait(): launched early, they stream in while the previous kernel finishes.
+//
+// Several tokens: on matrix cores the mma's 8 columns take up to 8 tokens (lane (g, t) passes
+// token g's inputs and gets columns 2t and 2t + 1); elsewhere each lane sums its columns for every
+// token. Either way a token's products and sums are those it gets alone (an mma column is computed
+// from its own inputs only), so its result does not depend on the others: decode steps of several
+// tokens give each the bits of a single step.
+template <int TILES, int TOKENS>
 __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
-                                             float eps, int K, float (&out)[TILES]) {
-    __shared__ float sums[FP8_UNITS][TILES][16];
+                                             float eps, int K, int tokens, float (&out)[TILES]) {
+    __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, chunks = K / 16;
     Fp8Stage<TILES> cur, next;
@@ -278,10 +303,15 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     cur.fetch(tiles, unit, kblocks, chunks, t);
     next.fetch(tiles, unit + FP8_UNITS, kblocks, chunks, t);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    float scale;
-    const uint4* xs = fp8_gemv_input(x, norm_w, eps, K, FP8_BLOCK, &scale);
+    float scale[GEMV1_TOKENS];
+    const uint4* xs = fp8_gemv_input(x, norm_w, eps, K, FP8_BLOCK, tokens, scale);
+    const int stride = fp8_padded(K, FP8_BLOCK) / 8;  // uint4 per token
 
-    float acc[TILES][2] = {};
+#if FP8_ROWS_MMA
+    // [tile][row g, g + 8][column 2t, 2t + 1]; this lane's B column holds token g (token 0 when
+    // there are fewer: its column is not read).
+    float acc[TILES][2][2] = {};
+    const uint4* xt = xs + (g < tokens ? g : 0) * stride;
     auto consume = [&](const Fp8Stage<TILES>& st, int kb) {
         // A sum per chunk: two shorter chains of dependent products.
         float c[TILES][2][4] = {};
@@ -289,7 +319,7 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
         for (int j = 0; j < 2; j++) {
             // The chunk's 16 inputs: 8 f16 pairs.
             const int chunk = kb * 8 + j * 4 + t;
-            const uint4 lo = xs[2 * chunk], hi = xs[2 * chunk + 1];
+            const uint4 lo = xt[2 * chunk], hi = xt[2 * chunk + 1];
             const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
             for (int i = 0; i < TILES; i++) {
@@ -300,11 +330,42 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
             }
         }
 #pragma unroll
-        for (int i = 0; i < TILES; i++) {
-            acc[i][0] += (c[i][0][0] + c[i][1][0]) * st.scale[i][0];
-            acc[i][1] += (c[i][0][2] + c[i][1][2]) * st.scale[i][1];
+        for (int i = 0; i < TILES; i++)
+#pragma unroll
+            for (int col = 0; col < 2; col++) {
+                acc[i][0][col] += (c[i][0][col] + c[i][1][col]) * st.scale[i][0];
+                acc[i][1][col] += (c[i][0][2 + col] + c[i][1][2 + col]) * st.scale[i][1];
+            }
+    };
+#else
+    // [tile][row g, g + 8][token]: this lane's columns, summed over the quad at the end.
+    float acc[TILES][2][TOKENS] = {};
+    auto consume = [&](const Fp8Stage<TILES>& st, int kb) {
+#pragma unroll
+        for (int n = 0; n < TOKENS; n++) {
+            if (n >= tokens) break;
+            float c[TILES][2][4] = {};
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int chunk = kb * 8 + j * 4 + t;
+                const uint4 lo = xs[n * stride + 2 * chunk], hi = xs[n * stride + 2 * chunk + 1];
+                const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int i = 0; i < TILES; i++) {
+                    const uint4 a = st.w[i][0][j], b = st.w[i][1][j];
+                    const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                    for (int u = 0; u < 4; u++) fp8_rows_mma(c[i][j], wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < TILES; i++) {
+                acc[i][0][n] += (c[i][0][0] + c[i][1][0]) * st.scale[i][0];
+                acc[i][1][n] += (c[i][0][2] + c[i][1][2]) * st.scale[i][1];
+            }
         }
     };
+#endif
     for (int kb = unit; kb < kblocks; kb += 2 * FP8_UNITS) {
         consume(cur, kb);
         cur.fetch(tiles, kb + 2 * FP8_UNITS, kblocks, chunks, t);
@@ -314,29 +375,46 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     }
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
-        const float row_g = fp8_quad_total(acc[i][0]), row_g8 = fp8_quad_total(acc[i][1]);
-        if (t == 0) {
-            sums[unit][i][g] = row_g;
-            sums[unit][i][g + 8] = row_g8;
+#if FP8_ROWS_MMA
+#pragma unroll
+        for (int col = 0; col < 2; col++) {
+            const int n = 2 * t + col;
+            if (n < tokens && n < TOKENS) {
+                sums[unit][i][g][n] = acc[i][0][col];
+                sums[unit][i][g + 8][n] = acc[i][1][col];
+            }
         }
+#else
+#pragma unroll
+        for (int n = 0; n < TOKENS; n++) {
+            const float row_g = fp8_quad_total(acc[i][0][n]), row_g8 = fp8_quad_total(acc[i][1][n]);
+            if (t == 0 && n < tokens) {
+                sums[unit][i][g][n] = row_g;
+                sums[unit][i][g + 8][n] = row_g8;
+            }
+        }
+#endif
     }
     __syncthreads();
-    if (threadIdx.x >= 16) return;
+    const int r = threadIdx.x % 16, n = threadIdx.x / 16;
+    if (n >= tokens) return;
+    const float s = fp8_token_scale(scale, n);
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
         float total = 0.0f;
-        for (int u = 0; u < FP8_UNITS; u++) total += sums[u][i][threadIdx.x];
-        out[i] = total * scale;
+        for (int u = 0; u < FP8_UNITS; u++) total += sums[u][i][r][n];
+        out[i] = total * s;
     }
 }
 
 // As gemv1_bf16 (up to four projections of one input, the residual added to the first), over FP8
-// weights with scale grids s0..s3.
+// weights with scale grids s0..s3, for `tokens` (1..GEMV1_TOKENS) rows of x [tokens, K]: y0..y3
+// and the residual are [tokens, n_i].
 ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
                             const unsigned char* w3, const float* s0, const float* s1, const float* s2,
                             const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
                             float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
-                            const float* norm_w, float eps, const float* residual, int K) {
+                            const float* norm_w, float eps, const float* residual, int K, int tokens) {
     const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
     // Row r of the block's tile lies in segment seg at row n of it (rows past the end read row 0).
     auto locate = [&](int r, int& seg, int& n) {
@@ -350,20 +428,23 @@ ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, co
         tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
     float out[1];
-    fp8_rows_dot<1>(tile, x, norm_w, eps, K, out);
-    if (threadIdx.x >= 16 || blockIdx.x * 16 + threadIdx.x >= total) return;
+    fp8_rows_dot<1, GEMV1_TOKENS>(tile, x, norm_w, eps, K, tokens, out);
+    const int r = threadIdx.x % 16, token = threadIdx.x / 16;
+    if (token >= tokens || blockIdx.x * 16 + r >= total) return;
     int seg, n;
-    locate(threadIdx.x, seg, n);
+    locate(r, seg, n);
     const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
+    const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
     float* y = gemv1_pick(seg, y0, y1, y2, y3);
-    y[n] = out[0] + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[n] : 0.0f);
+    y[at] = out[0] + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
 }
 
-// As gemv1_gate_up_bf16, over FP8 weights with scale grids sg, su.
+// As gemv1_gate_up_bf16, over FP8 weights with scale grids sg, su, for `tokens` rows of x (out
+// [tokens, N]).
 // Two blocks per SM: the register budget that allows costs a few bytes of spill (two tiles of loads in flight).
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
                                     const float* su, const float* gate_bias, const float* up_bias, const float* x,
-                                    const float* norm_w, float eps, float* out, int N, int K) {
+                                    const float* norm_w, float eps, float* out, int N, int K, int tokens) {
     const int lane = threadIdx.x % 32;
     Fp8Rows tiles[2];
 #pragma unroll
@@ -373,11 +454,11 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const
         tiles[1].set(h, u, su, n, K);
     }
     float gu[2];
-    fp8_rows_dot<2>(tiles, x, norm_w, eps, K, gu);
-    const int n = blockIdx.x * 16 + threadIdx.x;
-    if (threadIdx.x >= 16 || n >= N) return;
+    fp8_rows_dot<2, GEMV1_TOKENS>(tiles, x, norm_w, eps, K, tokens, gu);
+    const int n = blockIdx.x * 16 + threadIdx.x % 16, token = threadIdx.x / 16;
+    if (token >= tokens || n >= N) return;
     const float gv = gu[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] + (up_bias ? up_bias[n] : 0.0f);
-    out[n] = gv / (1.0f + expf(-gv)) * uv;
+    out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
 // Block formats in the device layout (common/packed.h) on matrix cores, shaped as the FP8 kernels:
@@ -487,8 +568,9 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     cur.fetch(tiles, unit, steps, runs, t);
     next.fetch(tiles, unit + PK_UNITS, steps, runs, t);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    float scale;
-    const uint2* xs = (const uint2*)fp8_gemv_input(x, norm_w, eps, K, PK_STEP, &scale);
+    float scales[GEMV1_TOKENS];
+    const uint2* xs = (const uint2*)fp8_gemv_input(x, norm_w, eps, K, PK_STEP, 1, scales);
+    const float scale = scales[0];
 
     // The lower and the upper values' products in two accumulators: two chains of dependent mma.
     float acc[TILES][4] = {}, acc_hi[TILES][4] = {};

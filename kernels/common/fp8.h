@@ -51,6 +51,8 @@ __device__ __forceinline__ float fp8_scale(float scale_inv) { return scale_inv *
 // input; elsewhere each lane sums its own four. fp8_quad_total(v) then gives every lane of the
 // quad the sum over all the quad's columns. Both paths decode E4M3 exactly.
 #if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// The mma computes 8 columns (all the input, for one token): callers may give each column its own.
+#define FP8_ROWS_MMA 1
 // Two codes (low byte first) as an f16 pair: one instruction on sm_89+; before, the code's bits go
 // under an f16's sign, exponent and mantissa (value times 2^-8, subnormals too) and a multiply
 // by 2^8 restores it.
@@ -81,6 +83,7 @@ __device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsign
 }
 __device__ __forceinline__ float fp8_quad_total(float v) { return v; }
 #else
+#define FP8_ROWS_MMA 0
 __device__ __forceinline__ void fp8_rows_mma(float* acc, unsigned int wg, unsigned int wg8, unsigned int x01,
                                              unsigned int x23) {
     const float x[4] = {f16_to_f32(x01 & 0xffffu), f16_to_f32(x01 >> 16), f16_to_f32(x23 & 0xffffu),

@@ -147,14 +147,16 @@ impl GpuWeight {
     /// dynamic shared memory. bf16 stages the normalised input as f32 (kernels/linear.hip's gemv1),
     /// fp8 always stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in
     /// whole 256-column steps (pk_rows_dot).
-    fn gemv1_launch(&self, rows: usize, normed: bool, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
+    /// Grid, block and dynamic shared memory of the one-token kernels for `rows` output rows and
+    /// `tokens` rows of input (more than one: FP8 only, see `gemv1_fits`).
+    fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
                 let shared = if normed { self.cols as u32 * 4 } else { 0 };
                 ([blocks(rows, GEMV_ROWS * GEMV_THREADS / warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
             WeightFormat::Fp8 { .. } => {
-                let shared = self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
+                let shared = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
             }
             WeightFormat::Packed(_) => {
@@ -164,17 +166,34 @@ impl GpuWeight {
         }
     }
 
-    /// Whether the one-token kernels take it: whole 16-byte chunks per row (whole runs for packed
-    /// formats, which every packed matrix has), and a staged input that fits the shared memory
-    /// (`max_shared` bytes per block).
-    fn gemv1_fits(&self, normed: bool, max_shared: u32) -> bool {
+    /// Whether the one-token kernels take `tokens` rows of input: whole 16-byte chunks per row
+    /// (whole runs for packed formats, which every packed matrix has), and a staged input that fits
+    /// the shared memory (`max_shared` bytes per block). The FP8 ones take up to GEMV1_TOKENS
+    /// tokens, each with the bits it gets alone (kernels/linear.hip, fp8_rows_dot), in launches of
+    /// `gemv1_group` tokens; the others one.
+    fn gemv1_fits(&self, normed: bool, max_shared: u32, tokens: usize) -> bool {
         match self.format {
-            WeightFormat::Bf16 => self.cols % 8 == 0 && (!normed || self.cols <= GEMV_MAX_STAGED),
-            WeightFormat::Fp8 { .. } => {
-                self.cols % 16 == 0 && self.gemv1_launch(1, normed, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared
-            }
-            WeightFormat::Packed(_) => self.gemv1_launch(1, normed, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
+            WeightFormat::Bf16 => tokens == 1 && self.cols % 8 == 0 && (!normed || self.cols <= GEMV_MAX_STAGED),
+            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared) > 0,
+            WeightFormat::Packed(_) => tokens == 1 && self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
         }
+    }
+
+    /// Tokens one launch of the one-token kernels takes: as many inputs as the shared memory
+    /// stages, at most GEMV1_TOKENS (FP8; 1 for the others, 0 when even one does not fit).
+    fn gemv1_group(&self, normed: bool, max_shared: u32) -> usize {
+        match self.format {
+            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS)
+                .take_while(|&t| self.gemv1_launch(1, normed, t, 32).2 + FP8_GEMV1_STATIC_SHARED <= max_shared)
+                .last()
+                .unwrap_or(0),
+            _ => 1,
+        }
+    }
+
+    /// The one-token kernels' last arguments: the token count, which only the FP8 ones take.
+    fn gemv1_tokens_arg(&self, tokens: usize) -> Option<Arg> {
+        matches!(self.format, WeightFormat::Fp8 { .. }).then_some(Arg::I32(tokens as i32))
     }
 }
 
@@ -256,6 +275,10 @@ const GEMV_MAX_STAGED: usize = 12_224;
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
 const FP8_GEMV_STATIC_SHARED: u32 = 1_300;
+/// gemv1_fp8 and gemv1_gate_up_fp8, whose partial sums have room for GEMV1_TOKENS tokens.
+const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
+/// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
+const GEMV1_TOKENS: usize = 8;
 /// Columns per step of the packed one-token kernels (PK_STEP).
 const PACKED_STEP: usize = 256;
 /// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.
@@ -388,9 +411,9 @@ impl GpuBackend {
         Ok(table.as_ref().map_or(0, |(_, t)| t.buf.ptr))
     }
 
-    /// One-token products of one input with up to four weights of one format (q, gate, k, v), each
-    /// `(weight, bias, output)`; `norm` RMS-normalises the input first; `residual` (may be the first
-    /// output) is added to the first product.
+    /// One-token products of each row of `x` with up to four weights of one format (q, gate, k,
+    /// v), each `(weight, bias, output)`; `norm` RMS-normalises the input first; `residual` (may be
+    /// the first output) is added to the first product. Launches of `gemv1_group` tokens.
     fn gemv1(
         &self,
         x: &GpuTensor,
@@ -398,18 +421,28 @@ impl GpuBackend {
         norm: Option<(&GpuTensor, f32)>,
         residual: Option<u64>,
     ) -> Result<()> {
-        let mut args = Vec::with_capacity(25);
-        let seg = |i: usize| projs.get(i);
-        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.buf.ptr))));
-        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.scales()))));
-        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).and_then(|p| p.1).map_or(0, |b| b.buf.ptr))));
-        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.2))));
-        args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::I32(seg(i).map_or(0, |p| p.0.rows as i32))));
-        let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
-        args.extend([Arg::Ptr(x.buf.ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual.unwrap_or(0)), Arg::I32(x.cols as i32)]);
+        let w = projs[0].0;
+        let group = w.gemv1_group(norm.is_some(), self.rt.max_shared_bytes()).max(1);
         let rows: usize = projs.iter().map(|p| p.0.rows).sum();
-        let (grid, block, shared) = projs[0].0.gemv1_launch(rows, norm.is_some(), self.rt.warp_size());
-        self.rt.launch_early(&projs[0].0.kernel("gemv1"), grid, block, shared, &args)
+        let seg = |i: usize| projs.get(i);
+        let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
+        for first in (0..x.rows).step_by(group) {
+            let tokens = group.min(x.rows - first);
+            // Byte offsets of row `first` of a [T, cols] f32 tensor.
+            let at = |cols: usize| (first * cols * 4) as u64;
+            let mut args = Vec::with_capacity(26);
+            args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.buf.ptr))));
+            args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.0.scales()))));
+            args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).and_then(|p| p.1).map_or(0, |b| b.buf.ptr))));
+            args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::Ptr(seg(i).map_or(0, |p| p.2 + at(p.0.rows)))));
+            args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::I32(seg(i).map_or(0, |p| p.0.rows as i32))));
+            let residual = residual.map_or(0, |r| r + at(w.rows));
+            args.extend([Arg::Ptr(x.buf.ptr + at(x.cols)), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual), Arg::I32(x.cols as i32)]);
+            args.extend(w.gemv1_tokens_arg(tokens));
+            let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, self.rt.warp_size());
+            self.rt.launch_early(&w.kernel("gemv1"), grid, block, shared, &args)?;
+        }
+        Ok(())
     }
 
     /// `y = x · wᵀ (+ bias) (+ residual)` for any number of rows; `residual` may be `y` itself.
@@ -421,7 +454,7 @@ impl GpuBackend {
         if t == 0 {
             return Ok(());
         }
-        if t == 1 && w.gemv1_fits(false, self.rt.max_shared_bytes()) {
+        if w.gemv1_fits(false, self.rt.max_shared_bytes(), t) {
             return self.gemv1(x, &[(w, bias, y)], None, residual);
         }
         let common = [Arg::Ptr(x.buf.ptr), Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)), Arg::Ptr(residual.unwrap_or(0)), Arg::Ptr(y)];
@@ -1039,12 +1072,11 @@ impl Backend for GpuBackend {
         eps: f32,
         projs: [Proj<'_, Self>; N],
     ) -> Result<[GpuTensor; N]> {
-        let fused = x.rows == 1
-            && N >= 1
+        let fused = N >= 1
             && norm.cols == x.cols
             && projs.iter().all(|p| {
                 p.weight.cols == x.cols
-                    && p.weight.gemv1_fits(true, self.rt.max_shared_bytes())
+                    && p.weight.gemv1_fits(true, self.rt.max_shared_bytes(), x.rows)
                     && p.weight.suffix() == projs[0].weight.suffix()
             });
         if !fused {
@@ -1052,7 +1084,7 @@ impl Backend for GpuBackend {
             let out = projs.iter().map(|p| self.linear(&xn, p.weight, p.bias)).collect::<Result<Vec<_>>>()?;
             return out.try_into().map_err(|_| Error::InvalidArgument("norm_linears: projection count".into()));
         }
-        let out = projs.iter().map(|p| self.tensor(1, p.weight.rows)).collect::<Result<Vec<_>>>()?;
+        let out = projs.iter().map(|p| self.tensor(x.rows, p.weight.rows)).collect::<Result<Vec<_>>>()?;
         let segs: Vec<_> = projs.iter().zip(&out).map(|(p, y)| (p.weight, p.bias, y.buf.ptr)).collect();
         // The kernels take four projections a launch; each launch normalises the one row again.
         for group in segs.chunks(GEMV1_SEGMENTS) {
@@ -1070,11 +1102,10 @@ impl Backend for GpuBackend {
         up: Proj<'_, Self>,
     ) -> Result<GpuTensor> {
         let (g, u) = (gate.weight, up.weight);
-        let fused = x.rows == 1
-            && norm.cols == x.cols
+        let fused = norm.cols == x.cols
             && g.cols == x.cols
             && (u.rows, u.cols) == (g.rows, g.cols)
-            && g.gemv1_fits(true, self.rt.max_shared_bytes())
+            && g.gemv1_fits(true, self.rt.max_shared_bytes(), x.rows)
             && g.suffix() == u.suffix();
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
@@ -1082,25 +1113,31 @@ impl Backend for GpuBackend {
             let uv = self.linear(&xn, u, up.bias)?;
             return self.silu_mul(&gv, &uv);
         }
-        let out = self.tensor(1, g.rows)?;
-        let args = [
-            Arg::Ptr(g.buf.ptr),
-            Arg::Ptr(u.buf.ptr),
-            Arg::Ptr(g.scales()),
-            Arg::Ptr(u.scales()),
-            Arg::Ptr(gate.bias.map_or(0, |b| b.buf.ptr)),
-            Arg::Ptr(up.bias.map_or(0, |b| b.buf.ptr)),
-            Arg::Ptr(x.buf.ptr),
-            Arg::Ptr(norm.buf.ptr),
-            Arg::F32(eps),
-            Arg::Ptr(out.buf.ptr),
-            Arg::I32(g.rows as i32),
-            Arg::I32(g.cols as i32),
-        ];
-        // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
-        let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
-        let (grid, block, shared) = g.gemv1_launch(tile_rows, true, self.rt.warp_size());
-        self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, block, shared, &args)?;
+        let out = self.tensor(x.rows, g.rows)?;
+        let group = g.gemv1_group(true, self.rt.max_shared_bytes()).max(1);
+        for first in (0..x.rows).step_by(group) {
+            let tokens = group.min(x.rows - first);
+            let at = |cols: usize| (first * cols * 4) as u64;
+            let mut args = vec![
+                Arg::Ptr(g.buf.ptr),
+                Arg::Ptr(u.buf.ptr),
+                Arg::Ptr(g.scales()),
+                Arg::Ptr(u.scales()),
+                Arg::Ptr(gate.bias.map_or(0, |b| b.buf.ptr)),
+                Arg::Ptr(up.bias.map_or(0, |b| b.buf.ptr)),
+                Arg::Ptr(x.buf.ptr + at(x.cols)),
+                Arg::Ptr(norm.buf.ptr),
+                Arg::F32(eps),
+                Arg::Ptr(out.buf.ptr + at(g.rows)),
+                Arg::I32(g.rows as i32),
+                Arg::I32(g.cols as i32),
+            ];
+            args.extend(g.gemv1_tokens_arg(tokens));
+            // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
+            let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
+            let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, self.rt.warp_size());
+            self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, block, shared, &args)?;
+        }
         Ok(out)
     }
 
