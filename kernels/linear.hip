@@ -229,8 +229,9 @@ struct Fp8Rows {
 // of the block must call it (it synchronises). K % 4 == 0.
 __device__ __forceinline__ int fp8_padded(int K, int pad) { return (K + pad - 1) / pad * pad; }
 
+template <int TOKENS>
 __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const float* norm_w, float eps, int K, int pad,
-                                                       int tokens, float (&scale)[GEMV1_TOKENS]) {
+                                                       int tokens, float (&scale)[TOKENS]) {
     extern __shared__ __attribute__((aligned(16))) uint2 fp8_x[];
     __shared__ float scratch[32];
     // Saturate rather than overflow to infinity (a NaN stays a NaN).
@@ -240,7 +241,7 @@ __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const flo
     };
     const int padded = fp8_padded(K, pad);
 #pragma unroll
-    for (int n = 0; n < GEMV1_TOKENS; n++) {
+    for (int n = 0; n < TOKENS; n++) {
         if (n >= tokens) break;
         uint2* xn = fp8_x + n * (padded / 4);
         const float ss = stage_input4(x + (long)n * K, norm_w, K, [&](int i, float4 v) {
@@ -255,10 +256,11 @@ __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const flo
 }
 
 // scale[n] for a token index known only at run time, without indexing the registers.
-__device__ __forceinline__ float fp8_token_scale(const float (&scale)[GEMV1_TOKENS], int n) {
+template <int TOKENS>
+__device__ __forceinline__ float fp8_token_scale(const float (&scale)[TOKENS], int n) {
     float s = scale[0];
 #pragma unroll
-    for (int k = 1; k < GEMV1_TOKENS; k++) s = n == k ? scale[k] : s;
+    for (int k = 1; k < TOKENS; k++) s = n == k ? scale[k] : s;
     return s;
 }
 
@@ -303,14 +305,15 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     cur.fetch(tiles, unit, kblocks, chunks, t);
     next.fetch(tiles, unit + FP8_UNITS, kblocks, chunks, t);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    float scale[GEMV1_TOKENS];
-    const uint4* xs = fp8_gemv_input(x, norm_w, eps, K, FP8_BLOCK, tokens, scale);
+    float scale[TOKENS];
+    const uint4* xs = fp8_gemv_input<TOKENS>(x, norm_w, eps, K, FP8_BLOCK, tokens, scale);
     const int stride = fp8_padded(K, FP8_BLOCK) / 8;  // uint4 per token
 
 #if FP8_ROWS_MMA
-    // [tile][row g, g + 8][column 2t, 2t + 1]; this lane's B column holds token g (token 0 when
-    // there are fewer: its column is not read).
-    float acc[TILES][2][2] = {};
+    // [tile][row g, g + 8][column 2t, 2t + 1 (only the first for one token: every column is it)];
+    // this lane's B column holds token g (token 0 when there are fewer: its column is not read).
+    constexpr int COLS = TOKENS > 1 ? 2 : 1;
+    float acc[TILES][2][COLS] = {};
     const uint4* xt = xs + (g < tokens ? g : 0) * stride;
     auto consume = [&](const Fp8Stage<TILES>& st, int kb) {
         // A sum per chunk: two shorter chains of dependent products.
@@ -332,7 +335,7 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
 #pragma unroll
         for (int i = 0; i < TILES; i++)
 #pragma unroll
-            for (int col = 0; col < 2; col++) {
+            for (int col = 0; col < COLS; col++) {
                 acc[i][0][col] += (c[i][0][col] + c[i][1][col]) * st.scale[i][0];
                 acc[i][1][col] += (c[i][0][2 + col] + c[i][1][2 + col]) * st.scale[i][1];
             }
@@ -377,7 +380,7 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     for (int i = 0; i < TILES; i++) {
 #if FP8_ROWS_MMA
 #pragma unroll
-        for (int col = 0; col < 2; col++) {
+        for (int col = 0; col < COLS; col++) {
             const int n = 2 * t + col;
             if (n < tokens && n < TOKENS) {
                 sums[unit][i][g][n] = acc[i][0][col];
@@ -398,7 +401,7 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     __syncthreads();
     const int r = threadIdx.x % 16, n = threadIdx.x / 16;
     if (n >= tokens) return;
-    const float s = fp8_token_scale(scale, n);
+    const float s = fp8_token_scale<TOKENS>(scale, n);
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
         float total = 0.0f;
@@ -408,13 +411,15 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
 }
 
 // As gemv1_bf16 (up to four projections of one input, the residual added to the first), over FP8
-// weights with scale grids s0..s3, for `tokens` (1..GEMV1_TOKENS) rows of x [tokens, K]: y0..y3
-// and the residual are [tokens, n_i].
-ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
-                            const unsigned char* w3, const float* s0, const float* s1, const float* s2,
-                            const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
-                            float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
-                            const float* norm_w, float eps, const float* residual, int K, int tokens) {
+// weights with scale grids s0..s3, for `tokens` (1..TOKENS) rows of x [tokens, K]: y0..y3 and the
+// residual are [tokens, n_i].
+template <int TOKENS>
+__device__ __forceinline__ void gemv1_fp8_rows(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                                               const unsigned char* w3, const float* s0, const float* s1, const float* s2,
+                                               const float* s3, const float* b0, const float* b1, const float* b2,
+                                               const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
+                                               int n2, int n3, const float* x, const float* norm_w, float eps,
+                                               const float* residual, int K, int tokens) {
     const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
     // Row r of the block's tile lies in segment seg at row n of it (rows past the end read row 0).
     auto locate = [&](int r, int& seg, int& n) {
@@ -428,7 +433,7 @@ ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, co
         tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
     float out[1];
-    fp8_rows_dot<1, GEMV1_TOKENS>(tile, x, norm_w, eps, K, tokens, out);
+    fp8_rows_dot<1, TOKENS>(tile, x, norm_w, eps, K, tokens, out);
     const int r = threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || blockIdx.x * 16 + r >= total) return;
     int seg, n;
@@ -439,12 +444,34 @@ ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, co
     y[at] = out[0] + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
 }
 
+// One token (the decode step), and up to GEMV1_TOKENS (checking drafts: each token gets the bits
+// the one-token kernel gives it, with 8 KB more of shared memory for the partial sums).
+ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                            const unsigned char* w3, const float* s0, const float* s1, const float* s2,
+                            const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
+                            float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
+                            const float* norm_w, float eps, const float* residual, int K) {
+    gemv1_fp8_rows<1>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
+                      residual, K, 1);
+}
+
+ATLAS_KERNEL void gemv1_fp8_tokens(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                                   const unsigned char* w3, const float* s0, const float* s1, const float* s2,
+                                   const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
+                                   float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3,
+                                   const float* x, const float* norm_w, float eps, const float* residual, int K,
+                                   int tokens) {
+    gemv1_fp8_rows<GEMV1_TOKENS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x,
+                                 norm_w, eps, residual, K, tokens);
+}
+
 // As gemv1_gate_up_bf16, over FP8 weights with scale grids sg, su, for `tokens` rows of x (out
 // [tokens, N]).
-// Two blocks per SM: the register budget that allows costs a few bytes of spill (two tiles of loads in flight).
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
-                                    const float* su, const float* gate_bias, const float* up_bias, const float* x,
-                                    const float* norm_w, float eps, float* out, int N, int K, int tokens) {
+template <int TOKENS>
+__device__ __forceinline__ void gemv1_gate_up_fp8_rows(const unsigned char* g, const unsigned char* u, const float* sg,
+                                                       const float* su, const float* gate_bias, const float* up_bias,
+                                                       const float* x, const float* norm_w, float eps, float* out, int N,
+                                                       int K, int tokens) {
     const int lane = threadIdx.x % 32;
     Fp8Rows tiles[2];
 #pragma unroll
@@ -454,11 +481,25 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const
         tiles[1].set(h, u, su, n, K);
     }
     float gu[2];
-    fp8_rows_dot<2, GEMV1_TOKENS>(tiles, x, norm_w, eps, K, tokens, gu);
+    fp8_rows_dot<2, TOKENS>(tiles, x, norm_w, eps, K, tokens, gu);
     const int n = blockIdx.x * 16 + threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || n >= N) return;
     const float gv = gu[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] + (up_bias ? up_bias[n] : 0.0f);
     out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+// Two blocks per SM: the register budget that allows costs a few bytes of spill (two tiles of loads in flight).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
+                                    const float* su, const float* gate_bias, const float* up_bias, const float* x,
+                                    const float* norm_w, float eps, float* out, int N, int K) {
+    gemv1_gate_up_fp8_rows<1>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
+    gemv1_gate_up_fp8_tokens(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
+                             const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
+                             float* out, int N, int K, int tokens) {
+    gemv1_gate_up_fp8_rows<GEMV1_TOKENS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
 }
 
 // Block formats in the device layout (common/packed.h) on matrix cores, shaped as the FP8 kernels:
@@ -568,8 +609,8 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     cur.fetch(tiles, unit, steps, runs, t);
     next.fetch(tiles, unit + PK_UNITS, steps, runs, t);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    float scales[GEMV1_TOKENS];
-    const uint2* xs = (const uint2*)fp8_gemv_input(x, norm_w, eps, K, PK_STEP, 1, scales);
+    float scales[1];
+    const uint2* xs = (const uint2*)fp8_gemv_input<1>(x, norm_w, eps, K, PK_STEP, 1, scales);
     const float scale = scales[0];
 
     // The lower and the upper values' products in two accumulators: two chains of dependent mma.

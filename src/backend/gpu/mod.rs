@@ -174,15 +174,19 @@ impl GpuWeight {
     fn gemv1_fits(&self, normed: bool, max_shared: u32, tokens: usize) -> bool {
         match self.format {
             WeightFormat::Bf16 => tokens == 1 && self.cols % 8 == 0 && (!normed || self.cols <= GEMV_MAX_STAGED),
-            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared) > 0,
+            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0,
             WeightFormat::Packed(_) => tokens == 1 && self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
         }
     }
 
-    /// Tokens one launch of the one-token kernels takes: as many inputs as the shared memory
-    /// stages, at most GEMV1_TOKENS (FP8; 1 for the others, 0 when even one does not fit).
-    fn gemv1_group(&self, normed: bool, max_shared: u32) -> usize {
+    /// Tokens one launch of the one-token kernels takes for an input of `tokens` rows: one at a
+    /// time for one (the one-token kernel), else as many as the shared memory stages, at most
+    /// GEMV1_TOKENS (FP8's `_tokens` kernels; 0 when even one does not fit; 1 for other formats).
+    fn gemv1_group(&self, normed: bool, max_shared: u32, tokens: usize) -> usize {
         match self.format {
+            WeightFormat::Fp8 { .. } if tokens == 1 => {
+                usize::from(self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared)
+            }
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS)
                 .take_while(|&t| self.gemv1_launch(1, normed, t, 32).2 + FP8_GEMV1_STATIC_SHARED <= max_shared)
                 .last()
@@ -191,9 +195,13 @@ impl GpuWeight {
         }
     }
 
-    /// The one-token kernels' last arguments: the token count, which only the FP8 ones take.
-    fn gemv1_tokens_arg(&self, tokens: usize) -> Option<Arg> {
-        matches!(self.format, WeightFormat::Fp8 { .. }).then_some(Arg::I32(tokens as i32))
+    /// The kernel for `tokens` rows of input from its stem ("gemv1", "gemv1_gate_up"), and the
+    /// token count argument that FP8's several-token kernels take after the others.
+    fn gemv1_kernel(&self, stem: &str, tokens: usize) -> (String, Option<Arg>) {
+        match self.format {
+            WeightFormat::Fp8 { .. } if tokens > 1 => (format!("{}_tokens", self.kernel(stem)), Some(Arg::I32(tokens as i32))),
+            _ => (self.kernel(stem), None),
+        }
     }
 }
 
@@ -275,7 +283,8 @@ const GEMV_MAX_STAGED: usize = 12_224;
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
 const FP8_GEMV_STATIC_SHARED: u32 = 1_300;
-/// gemv1_fp8 and gemv1_gate_up_fp8, whose partial sums have room for GEMV1_TOKENS tokens.
+/// gemv1_fp8_tokens and gemv1_gate_up_fp8_tokens, whose partial sums have room for GEMV1_TOKENS
+/// tokens.
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
 /// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
 const GEMV1_TOKENS: usize = 8;
@@ -422,7 +431,7 @@ impl GpuBackend {
         residual: Option<u64>,
     ) -> Result<()> {
         let w = projs[0].0;
-        let group = w.gemv1_group(norm.is_some(), self.rt.max_shared_bytes()).max(1);
+        let group = w.gemv1_group(norm.is_some(), self.rt.max_shared_bytes(), x.rows).max(1);
         let rows: usize = projs.iter().map(|p| p.0.rows).sum();
         let seg = |i: usize| projs.get(i);
         let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
@@ -438,9 +447,12 @@ impl GpuBackend {
             args.extend((0..GEMV1_SEGMENTS).map(|i| Arg::I32(seg(i).map_or(0, |p| p.0.rows as i32))));
             let residual = residual.map_or(0, |r| r + at(w.rows));
             args.extend([Arg::Ptr(x.buf.ptr + at(x.cols)), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual), Arg::I32(x.cols as i32)]);
-            args.extend(w.gemv1_tokens_arg(tokens));
+            // An input of several rows takes the several-token kernel even for a last group of one,
+            // which gives it the same bits.
+            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows);
+            args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, self.rt.warp_size());
-            self.rt.launch_early(&w.kernel("gemv1"), grid, block, shared, &args)?;
+            self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(())
     }
@@ -1114,7 +1126,7 @@ impl Backend for GpuBackend {
             return self.silu_mul(&gv, &uv);
         }
         let out = self.tensor(x.rows, g.rows)?;
-        let group = g.gemv1_group(true, self.rt.max_shared_bytes()).max(1);
+        let group = g.gemv1_group(true, self.rt.max_shared_bytes(), x.rows).max(1);
         for first in (0..x.rows).step_by(group) {
             let tokens = group.min(x.rows - first);
             let at = |cols: usize| (first * cols * 4) as u64;
@@ -1132,11 +1144,12 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            args.extend(g.gemv1_tokens_arg(tokens));
+            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows);
+            args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
             let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
             let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, self.rt.warp_size());
-            self.rt.launch_early(&g.kernel("gemv1_gate_up"), grid, block, shared, &args)?;
+            self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(out)
     }
