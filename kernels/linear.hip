@@ -70,14 +70,23 @@ __device__ __forceinline__ float stage_input4(const float* x, const float* norm_
 // (the norm's 1 / rms, a scalar, is applied to the dot products afterwards: one pass over x
 // computes both), else x itself with scale 1. Every thread of the block must call it (it
 // synchronises). K % 4 == 0.
-__device__ __forceinline__ const float* gemv_input(const float* x, const float* norm_w, float eps, int K,
-                                                   float* scale) {
+// Several tokens: `tokens` rows of x (stride K), staged one after the other, each exactly as a
+// lone token is; scale[n] is token n's.
+template <int TOKENS>
+__device__ __forceinline__ const float* gemv_input(const float* x, const float* norm_w, float eps, int K, int tokens,
+                                                   float (&scale)[TOKENS]) {
     extern __shared__ float gemv_x[];
     __shared__ float scratch[32];
-    *scale = 1.0f;
+#pragma unroll
+    for (int n = 0; n < TOKENS; n++) scale[n] = 1.0f;
     if (!norm_w) return x;
-    const float ss = stage_input4(x, norm_w, K, [](int i, float4 v) { ((float4*)gemv_x)[i] = v; });
-    *scale = rsqrtf(block_sum(ss, scratch) / K + eps);  // block_sum's barriers publish gemv_x too
+#pragma unroll
+    for (int n = 0; n < TOKENS; n++) {
+        if (n >= tokens) break;
+        float* xn = gemv_x + n * K;
+        const float ss = stage_input4(x + (long)n * K, norm_w, K, [&](int i, float4 v) { ((float4*)xn)[i] = v; });
+        scale[n] = rsqrtf(block_sum(ss, scratch) / K + eps);  // block_sum's barriers publish gemv_x too
+    }
     return gemv_x;
 }
 
@@ -90,21 +99,29 @@ struct GemvStage {
 #pragma unroll
         for (int r = 0; r < ROWS; r++) p[r] = c < chunks ? rows[r].load(c) : make_uint4(0, 0, 0, 0);
     }
-    __device__ __forceinline__ void consume(const Bf16Row* rows, int c, int chunks, const float* x, float* acc) const {
+    // Token n's input starts at x + n * K; acc[r][n] is row r's sum for it.
+    template <int TOKENS>
+    __device__ __forceinline__ void consume(const Bf16Row* rows, int c, int chunks, const float* x, int K, int tokens,
+                                            float (&acc)[ROWS][TOKENS]) const {
         if (c >= chunks) return;
-        const float4 lo = ((const float4*)x)[2 * c], hi = ((const float4*)x)[2 * c + 1];
-        const float xc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) acc[r] += rows[r].dot(p[r], xc);
+        for (int n = 0; n < TOKENS; n++) {
+            if (n >= tokens) break;
+            const float4 lo = ((const float4*)(x + (long)n * K))[2 * c], hi = ((const float4*)(x + (long)n * K))[2 * c + 1];
+            const float xc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) acc[r][n] += rows[r].dot(p[r], xc);
+        }
     }
 };
 
-// acc[r] = rows[r] · x (normalised), summed over the warp. The first two stages' loads are issued
-// before waiting for the previous kernel (launched early, the first weights stream in while it
-// finishes) and before the input is staged; then each stage is refilled as soon as it is used.
-template <int ROWS>
+// acc[r][n] = rows[r] · x[n] (normalised), summed over the warp, for `tokens` (<= TOKENS) rows of
+// x: each token's products and sums are those it gets alone. The first two stages' loads are
+// issued before waiting for the previous kernel (launched early, the first weights stream in while
+// it finishes) and before the input is staged; then each stage is refilled as soon as it is used.
+template <int ROWS, int TOKENS>
 __device__ __forceinline__ void gemv_rows_dot(const Bf16Row* rows, bool active, const float* x, const float* norm_w,
-                                              float eps, int K, float* acc) {
+                                              float eps, int K, int tokens, float (&acc)[ROWS][TOKENS]) {
     const int lane = threadIdx.x % WARP_SIZE, chunks = K / 8, step = WARP_SIZE;
     GemvStage<ROWS> cur, next;
     pdl_launch_dependents();
@@ -113,18 +130,20 @@ __device__ __forceinline__ void gemv_rows_dot(const Bf16Row* rows, bool active, 
         next.fetch(rows, lane + step, chunks);
     }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    float scale;
-    const float* xs = gemv_input(x, norm_w, eps, K, &scale);
+    float scale[TOKENS];
+    const float* xs = gemv_input<TOKENS>(x, norm_w, eps, K, tokens, scale);
     if (!active) return;
     for (int c0 = lane; c0 < chunks; c0 += 2 * step) {
-        cur.consume(rows, c0, chunks, xs, acc);
+        cur.consume(rows, c0, chunks, xs, K, tokens, acc);
         if (c0 + 2 * step < chunks) cur.fetch(rows, c0 + 2 * step, chunks);
         if (c0 + step >= chunks) break;
-        next.consume(rows, c0 + step, chunks, xs, acc);
+        next.consume(rows, c0 + step, chunks, xs, K, tokens, acc);
         if (c0 + 3 * step < chunks) next.fetch(rows, c0 + 3 * step, chunks);
     }
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) acc[r] = warp_sum(acc[r]) * scale;
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int n = 0; n < TOKENS; n++) acc[r][n] = warp_sum(acc[r][n]) * scale[n];
 }
 
 // Which of up to four consecutive segments of n0, n1, n2, n3 rows row g lies in, and its row there.
@@ -141,11 +160,13 @@ __device__ __forceinline__ T gemv1_pick(int seg, T a, T b, T c, T d) {
 // Up to four projections of the same input in one launch (q, gate, k and v; a DeltaNet layer's
 // four inputs): rows [0, n0) go to y0, the next n1 to y1, and so on. `residual` (may be y0) is
 // added to segment 0. K % 8 == 0. The scale arguments are unused (same signature as gemv1_fp8).
-ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
-                             const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
-                             const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0,
-                             int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
-                             const float* residual, int K) {
+// For `tokens` (<= TOKENS) rows of x [tokens, K]: y0..y3 and the residual are [tokens, n_i].
+template <int TOKENS>
+__device__ __forceinline__ void gemv1_bf16_rows(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3,
+                                                const float* b0, const float* b1, const float* b2, const float* b3,
+                                                float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
+                                                int n3, const float* x, const float* norm_w, float eps,
+                                                const float* residual, int K, int tokens) {
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
     const int total = n0 + n1 + n2 + n3;
     Bf16Row rows[GEMV_ROWS];
@@ -156,25 +177,51 @@ ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, con
         gemv1_segment(first + r < total ? first + r : 0, n0, n1, n2, seg[r], n[r]);
         rows[r] = bf16_row(gemv1_pick(seg[r], w0, w1, w2, w3), n[r], K);
     }
-    float acc[GEMV_ROWS] = {};
-    gemv_rows_dot<GEMV_ROWS>(rows, first < total, x, norm_w, eps, K, acc);
+    float acc[GEMV_ROWS][TOKENS] = {};
+    gemv_rows_dot<GEMV_ROWS, TOKENS>(rows, first < total, x, norm_w, eps, K, tokens, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
-        if (first + r < total) {
-            const float* bias = gemv1_pick(seg[r], b0, b1, b2, b3);
-            float* y = gemv1_pick(seg[r], y0, y1, y2, y3);
-            const float* res = seg[r] == 0 ? residual : nullptr;
-            y[n[r]] = acc[r] + (bias ? bias[n[r]] : 0.0f) + (res ? res[n[r]] : 0.0f);
+        if (first + r >= total) continue;
+        const float* bias = gemv1_pick(seg[r], b0, b1, b2, b3);
+        float* y = gemv1_pick(seg[r], y0, y1, y2, y3);
+        const float* res = seg[r] == 0 ? residual : nullptr;
+        const int cols = gemv1_pick(seg[r], n0, n1, n2, n3);
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+            if (t >= tokens) break;
+            const long at = (long)t * cols + n[r];
+            y[at] = acc[r][t] + (bias ? bias[n[r]] : 0.0f) + (res ? res[at] : 0.0f);
         }
     }
 }
 
+// One token (the decode step), and up to GEMV1_TOKENS (checking drafts: each token gets the bits
+// the one-token kernel gives it).
+ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                             const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                             const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0,
+                             int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
+                             const float* residual, int K) {
+    gemv1_bf16_rows<1>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K, 1);
+}
+
+ATLAS_KERNEL void gemv1_bf16_tokens(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                                    const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                                    const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3,
+                                    int n0, int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
+                                    const float* residual, int K, int tokens) {
+    gemv1_bf16_rows<GEMV1_TOKENS>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
+                                  residual, K, tokens);
+}
+
 // The gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]), GEMV_ROWS values of
-// n per warp (so 2 * GEMV_ROWS weight rows). K % 8 == 0; sg, su unused (as gemv1_gate_up_fp8's).
-ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
-                                     const float* gate_bias, const float* up_bias, const float* x,
-                                     const float* norm_w, float eps, float* out, int N, int K) {
+// n per warp (so 2 * GEMV_ROWS weight rows), for `tokens` rows of x (out [tokens, N]). K % 8 == 0;
+// sg, su unused (as gemv1_gate_up_fp8's).
+template <int TOKENS>
+__device__ __forceinline__ void gemv1_gate_up_bf16_rows(const bf16* g, const bf16* u, const float* gate_bias,
+                                                        const float* up_bias, const float* x, const float* norm_w,
+                                                        float eps, float* out, int N, int K, int tokens) {
     const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
     Bf16Row rows[2 * GEMV_ROWS];
 #pragma unroll
@@ -183,18 +230,33 @@ ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* 
         rows[2 * r] = bf16_row(g, n, K);
         rows[2 * r + 1] = bf16_row(u, n, K);
     }
-    float acc[2 * GEMV_ROWS] = {};
-    gemv_rows_dot<2 * GEMV_ROWS>(rows, first < N, x, norm_w, eps, K, acc);
+    float acc[2 * GEMV_ROWS][TOKENS] = {};
+    gemv_rows_dot<2 * GEMV_ROWS, TOKENS>(rows, first < N, x, norm_w, eps, K, tokens, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         const int n = first + r;
-        if (n < N) {
-            const float gv = acc[2 * r] + (gate_bias ? gate_bias[n] : 0.0f);
-            const float uv = acc[2 * r + 1] + (up_bias ? up_bias[n] : 0.0f);
-            out[n] = gv / (1.0f + expf(-gv)) * uv;
+        if (n >= N) continue;
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+            if (t >= tokens) break;
+            const float gv = acc[2 * r][t] + (gate_bias ? gate_bias[n] : 0.0f);
+            const float uv = acc[2 * r + 1][t] + (up_bias ? up_bias[n] : 0.0f);
+            out[(long)t * N + n] = gv / (1.0f + expf(-gv)) * uv;
         }
     }
+}
+
+ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                     const float* gate_bias, const float* up_bias, const float* x,
+                                     const float* norm_w, float eps, float* out, int N, int K) {
+    gemv1_gate_up_bf16_rows<1>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+}
+
+ATLAS_KERNEL void gemv1_gate_up_bf16_tokens(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                            const float* gate_bias, const float* up_bias, const float* x,
+                                            const float* norm_w, float eps, float* out, int N, int K, int tokens) {
+    gemv1_gate_up_bf16_rows<GEMV1_TOKENS>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
 }
 
 // FP8 block-scaled weights (common/fp8.h) on matrix cores (fp8_rows_mma): a block takes 16 output

@@ -122,14 +122,14 @@ ATLAS_KERNEL void moe_gate_up_bf16(const bf16* gate, const bf16* up, const float
         rows[2 * r] = bf16_row(g, n, H);
         rows[2 * r + 1] = bf16_row(u, n, H);
     }
-    float acc[2 * GEMV_ROWS] = {};
-    gemv_rows_dot<2 * GEMV_ROWS>(rows, first < I, x, norm_w, eps, H, acc);
+    float acc[2 * GEMV_ROWS][1] = {};
+    gemv_rows_dot<2 * GEMV_ROWS, 1>(rows, first < I, x, norm_w, eps, H, 1, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         const int n = first + r;
         if (n < I) {
-            const float gv = acc[2 * r], uv = acc[2 * r + 1];
+            const float gv = acc[2 * r][0], uv = acc[2 * r + 1][0];
             act[(long)s * I + n] = gv / (1.0f + expf(-gv)) * uv;
         }
     }
@@ -147,12 +147,12 @@ ATLAS_KERNEL void moe_down_bf16(const bf16* down, const float* sd, const int* id
     Bf16Row rows[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) rows[r] = bf16_row(d, first + r < H ? first + r : 0, I);
-    float acc[GEMV_ROWS] = {};
-    gemv_rows_dot<GEMV_ROWS>(rows, first < H, act + (long)s * I, nullptr, 0.0f, I, acc);
+    float acc[GEMV_ROWS][1] = {};
+    gemv_rows_dot<GEMV_ROWS, 1>(rows, first < H, act + (long)s * I, nullptr, 0.0f, I, 1, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++)
-        if (first + r < H) y[(long)s * H + first + r] = acc[r];
+        if (first + r < H) y[(long)s * H + first + r] = acc[r][0];
 }
 
 // The same over FP8 weights, as gemv1_gate_up_fp8 / gemv1_fp8: 16 rows (gate/up) or 32 rows (down,

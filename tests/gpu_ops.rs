@@ -1449,17 +1449,19 @@ fn drafting_on_the_gpu_changes_no_greedy_answer() {
     assert!(accepted > 0 && drafted > accepted, "{accepted} of {drafted}");
 }
 
-/// The FP8 one-token kernels take up to 8 tokens at once (one per column of their mma): each
-/// token's output has exactly the bits it gets alone, through a plain projection with a residual,
-/// the fused RMSNorm + projections and the fused norm + gated MLP half; and matches the CPU.
+/// The bf16 and FP8 one-token kernels take up to 8 tokens at once (FP8: one per column of their
+/// mma): each token's output has exactly the bits it gets alone, through a plain projection with a
+/// residual, the fused RMSNorm + projections and the fused norm + gated MLP half (inputs larger
+/// than the shared memory stages at once go in several launches); and matches the CPU.
 #[test]
-fn fp8_decode_kernels_give_each_of_several_tokens_its_own_bits() {
+fn decode_kernels_give_each_of_several_tokens_its_own_bits() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let mut rng = Rng::new(23);
-    for (n, k) in [(256, 512), (640, 2048), (96, 5120), (48, 17408)] {
-        let (wc, wg) = matrix_pair(&mut rng, true, n, k);
-        let (uc, ug) = matrix_pair(&mut rng, true, n, k);
+    for ((n, k), fp8) in [(256, 512), (640, 2048), (96, 5120), (48, 17408)].into_iter().flat_map(|s| [(s, true), (s, false)]) {
+        let format = if fp8 { "fp8" } else { "bf16" };
+        let (wc, wg) = matrix_pair(&mut rng, fp8, n, k);
+        let (uc, ug) = matrix_pair(&mut rng, fp8, n, k);
         let (wc, wg, uc, ug) = (c.upload_weight(wc).unwrap(), g.upload_weight(wg).unwrap(), c.upload_weight(uc).unwrap(), g.upload_weight(ug).unwrap());
         let norm = pair(&g, 1, k, random(&mut rng, k, 1.0));
         for t in 1..=8 {
@@ -1480,16 +1482,16 @@ fn fp8_decode_kernels_give_each_of_several_tokens_its_own_bits() {
                 let one_res = g.upload_f32(1, n, &res.cpu.data[row * n..(row + 1) * n]).unwrap();
                 let alone = run(&one_x, &one_res);
                 for (what, (a, b)) in ["linear + residual", "norm + linear", "norm + gate/up"].iter().zip(all.iter().zip(&alone)) {
-                    assert_eq!(&a[row * n..(row + 1) * n], &b[..], "{what}: [{n}, {k}], token {row} of {t}");
+                    assert_eq!(&a[row * n..(row + 1) * n], &b[..], "{format} {what}: [{n}, {k}], token {row} of {t}");
                 }
             }
             let mut want = res.cpu.clone();
             c.linear_add(&x.cpu, &wc, None, &mut want).unwrap();
             let got = g.upload_f32(t, n, &all[0]).unwrap();
-            check(&g, &got, &want, 2e-2, &format!("fp8 linear [{n}, {k}] x {t} tokens"));
+            check(&g, &got, &want, 2e-2, &format!("{format} linear [{n}, {k}] x {t} tokens"));
             let want = c.norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, Proj { weight: &wc, bias: None }, Proj { weight: &uc, bias: None }).unwrap();
             let got = g.upload_f32(t, n, &all[2]).unwrap();
-            check(&g, &got, &want, 2e-2, &format!("fp8 norm + gate/up [{n}, {k}] x {t} tokens"));
+            check(&g, &got, &want, 2e-2, &format!("{format} norm + gate/up [{n}, {k}] x {t} tokens"));
         }
     }
 }

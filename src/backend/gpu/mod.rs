@@ -152,7 +152,7 @@ impl GpuWeight {
     fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
-                let shared = if normed { self.cols as u32 * 4 } else { 0 };
+                let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
                 ([blocks(rows, GEMV_ROWS * GEMV_THREADS / warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
             WeightFormat::Fp8 { .. } => {
@@ -173,7 +173,9 @@ impl GpuWeight {
     /// `gemv1_group` tokens; the others one.
     fn gemv1_fits(&self, normed: bool, max_shared: u32, tokens: usize) -> bool {
         match self.format {
-            WeightFormat::Bf16 => tokens == 1 && self.cols % 8 == 0 && (!normed || self.cols <= GEMV_MAX_STAGED),
+            WeightFormat::Bf16 => {
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 8 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0
+            }
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0,
             WeightFormat::Packed(_) => tokens == 1 && self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
         }
@@ -181,9 +183,17 @@ impl GpuWeight {
 
     /// Tokens one launch of the one-token kernels takes for an input of `tokens` rows: one at a
     /// time for one (the one-token kernel), else as many as the shared memory stages, at most
-    /// GEMV1_TOKENS (FP8's `_tokens` kernels; 0 when even one does not fit; 1 for other formats).
+    /// GEMV1_TOKENS (the bf16 and FP8 `_tokens` kernels; 0 when even one does not fit; 1 for
+    /// packed formats).
     fn gemv1_group(&self, normed: bool, max_shared: u32, tokens: usize) -> usize {
         match self.format {
+            // The same bound for one token as for several: an input takes the same kernels
+            // alone as beside others.
+            WeightFormat::Bf16 if tokens == 1 => usize::from(self.gemv1_launch(1, normed, 1, 32).2 + GEMV_STATIC_SHARED <= max_shared),
+            WeightFormat::Bf16 => (1..=GEMV1_TOKENS)
+                .take_while(|&t| self.gemv1_launch(1, normed, t, 32).2 + GEMV_STATIC_SHARED <= max_shared)
+                .last()
+                .unwrap_or(0),
             WeightFormat::Fp8 { .. } if tokens == 1 => {
                 usize::from(self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared)
             }
@@ -199,7 +209,7 @@ impl GpuWeight {
     /// token count argument that FP8's several-token kernels take after the others.
     fn gemv1_kernel(&self, stem: &str, tokens: usize) -> (String, Option<Arg>) {
         match self.format {
-            WeightFormat::Fp8 { .. } if tokens > 1 => (format!("{}_tokens", self.kernel(stem)), Some(Arg::I32(tokens as i32))),
+            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } if tokens > 1 => (format!("{}_tokens", self.kernel(stem)), Some(Arg::I32(tokens as i32))),
             _ => (self.kernel(stem), None),
         }
     }
@@ -277,8 +287,11 @@ const FA_THREADS: u32 = 128;
 const DEC_THREADS: u32 = 256;
 const DEC_MAX_TILE: usize = 64;
 const DEC_TILE_ELEMS: usize = 8192;
-/// Largest input the bf16 one-token kernels normalise into shared memory (48 KB with their scratch).
+/// Largest input the bf16 expert kernels (moe_gate_up_bf16) normalise into shared memory (48 KB with
+/// their scratch).
 const GEMV_MAX_STAGED: usize = 12_224;
+/// The bf16 one-token kernels' static shared memory (block_sum's scratch), rounded up.
+const GEMV_STATIC_SHARED: u32 = 256;
 /// The fp8 one-token kernels: output rows per block, threads, static shared memory (rounded up).
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
