@@ -1420,9 +1420,9 @@ fn a_restored_prefix_continues_as_the_live_cache_would() {
 
 /// Speculative decoding on the GPU: greedy answers with prompt-lookup drafts equal those without
 /// on the fixtures (the dense one drafts and has drafts rejected; the hybrid ones, whose random
-/// weights never repeat a passage, draft nothing here: their rollback is tested on the CPU). The
-/// checked steps round differently from single steps (T > 1 takes other kernels), so this holds
-/// where the margins between the best two logits exceed that rounding, as on these fixtures.
+/// weights never repeat a passage, draft nothing here: their rollback is tested on the CPU). A
+/// checked step gives every position the logits of single steps (tested above), so this holds
+/// bit for bit, not only where the margins are wide.
 #[test]
 fn drafting_on_the_gpu_changes_no_greedy_answer() {
     if gpu().is_none() {
@@ -1492,6 +1492,31 @@ fn decode_kernels_give_each_of_several_tokens_its_own_bits() {
             let want = c.norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, Proj { weight: &wc, bias: None }, Proj { weight: &uc, bias: None }).unwrap();
             let got = g.upload_f32(t, n, &all[2]).unwrap();
             check(&g, &got, &want, 2e-2, &format!("{format} norm + gate/up [{n}, {k}] x {t} tokens"));
+        }
+    }
+}
+
+/// A step of a few tokens (checking drafts) gives every position exactly the logits single decode
+/// steps give it, on dense, FP8, MoE and hybrid fixtures: the one-token kernels take the few
+/// tokens together (bf16, FP8), attention and experts take them one by one. So speculative
+/// decoding on the GPU chooses what plain decoding chooses, bit for bit.
+#[test]
+fn a_step_of_a_few_tokens_gives_each_the_logits_of_single_steps() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut rng = Rng::new(31);
+    for name in ["qwen3_untied_gqa", "qwen3_tied", "qwen3_fp8", "qwen3_moe_tiny", "qwen3_5_tiny", "qwen3_5_moe_tiny"] {
+        let load = || Engine::load(&EngineOptions { device: Device::Cuda, ctx_size: Some(256), ..EngineOptions::new(fixture(name)) }, &mut |_| {}).unwrap();
+        let (mut single, mut together) = (load(), load());
+        let prefix: Vec<u32> = (0..20).map(|_| (rng.next_u64() % 256) as u32).collect();
+        for t in [2, 5, 8] {
+            let run: Vec<u32> = (0..t).map(|_| (rng.next_u64() % 256) as u32).collect();
+            single.forward(&prefix, 0).unwrap();
+            together.forward(&prefix, 0).unwrap();
+            let want: Vec<f32> = run.iter().enumerate().flat_map(|(i, &tok)| single.forward(&[tok], prefix.len() + i).unwrap()).collect();
+            let got = together.forward_all(&run, prefix.len()).unwrap();
+            assert!(got == want, "{name}: {t} tokens together differ from single steps");
         }
     }
 }

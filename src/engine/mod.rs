@@ -301,8 +301,14 @@ impl Engine {
     /// computed from an empty cache in one pass: what scoring a text (perplexity, KL divergence)
     /// needs.
     pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.prepare_forward(tokens, 0)?;
-        let logits = match self.model.step(tokens, 0, StepOutput::AllLogits)? {
+        self.forward_all(tokens, 0)
+    }
+
+    /// As [`Engine::forward`], with the logits of every position of `tokens` (`tokens.len()` rows
+    /// of `vocab_size`).
+    pub fn forward_all(&mut self, tokens: &[u32], start_pos: usize) -> Result<Vec<f32>> {
+        self.prepare_forward(tokens, start_pos)?;
+        let logits = match self.model.step(tokens, start_pos, StepOutput::AllLogits)? {
             StepResult::Logits(l) => l,
             _ => return Err(Error::Device("the backend did not return logits".into())),
         };

@@ -560,6 +560,15 @@ impl GpuBackend {
         let out = self.tensor(t, num_heads * d)?;
         let scale = 1.0 / (d as f32).sqrt();
         let group = num_heads / num_kv_heads;
+        // A few queries (checking drafts) take the decode kernel one by one, each as a decode
+        // step would: the same bits.
+        if (2..=GEMV1_TOKENS).contains(&t) && pos_dev.is_none() && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
+            for r in 0..t {
+                let row = self.attend(&Self::row_view(q, r), cache, start_pos + r, shape)?;
+                self.rt.copy(out.buf.ptr + (r * num_heads * d * 4) as u64, row.buf.ptr, num_heads * d * 4)?;
+            }
+            return Ok(out);
+        }
         if t == 1 && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
             // A recording must fit every later position: it covers the whole cache (the kernel
             // sizes the splits from the position).
@@ -651,6 +660,12 @@ impl GpuBackend {
 
     pub fn runtime(&self) -> &Arc<dyn Runtime> {
         &self.rt
+    }
+
+    /// Row `r` of `x` as a `[1, cols]` tensor that borrows its memory (a kernel's view; it must
+    /// not outlive `x`).
+    fn row_view(x: &GpuTensor, r: usize) -> GpuTensor {
+        GpuTensor { buf: DeviceBuffer { ptr: x.buf.ptr + (r * x.cols * 4) as u64, rt: None }, rows: 1, cols: x.cols }
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<GpuTensor> {
@@ -1349,8 +1364,7 @@ impl Backend for GpuBackend {
     fn argmax_rows(&self, x: &GpuTensor, limit: usize) -> Result<Vec<u32>> {
         let out = self.scratch(4 * x.rows.max(1))?;
         for r in 0..x.rows {
-            // A view of row r: the kernels read [1, cols] from its start.
-            let row = GpuTensor { buf: DeviceBuffer { ptr: x.buf.ptr + (r * x.cols * 4) as u64, rt: None }, rows: 1, cols: x.cols };
+            let row = Self::row_view(x, r);
             self.adjust_logits(&row)?;
             self.launch_argmax(&row, limit, 0, out.ptr + 4 * r as u64)?;
         }

@@ -16,7 +16,7 @@
 
 use super::runtime::Arg;
 use super::{
-    as_bytes, blocks, byte_size, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED,
+    as_bytes, blocks, byte_size, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED, GEMV1_TOKENS,
     FP8_GEMV_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_MAX_STAGED, GEMV_ROWS, GEMV_THREADS,
 };
 use crate::backend::{compose_moe_block, Backend, GatedMlp, HostMlp, Routing, SharedExpert};
@@ -159,8 +159,13 @@ impl GpuBackend {
             return Err(Error::Unsupported(format!("{k} experts per token on the GPU (at most {MOE_MAX_K})")));
         }
         let out = residual.buf.ptr;
-        if t == 1 && self.moe_gemv_fits(ex) {
-            return self.moe_decode(xn.buf.ptr, None, logits.buf.ptr, ex, None, routing, out);
+        // One token, or a few (checking drafts) one at a time, each as a decode step runs it.
+        if t <= GEMV1_TOKENS && self.moe_gemv_fits(ex) {
+            for r in 0..t {
+                let (x_at, logits_at) = ((r * h * 4) as u64, (r * e * 4) as u64);
+                self.moe_decode(xn.buf.ptr + x_at, None, logits.buf.ptr + logits_at, ex, None, routing, out + x_at)?;
+            }
+            return Ok(());
         }
         for first in (0..t).step_by(MOE_CHUNK_TOKENS) {
             let tokens = MOE_CHUNK_TOKENS.min(t - first);
@@ -187,13 +192,15 @@ impl GpuBackend {
     ) -> Result<()> {
         let (h, i) = (ex.hidden, ex.inter);
         let same = |w: &GpuWeight, rows, cols| (w.rows, w.cols) == (rows, cols) && w.suffix() == if ex.fp8 { "fp8" } else { "bf16" };
+        let t = x.rows;
         let shared_fits = shared.as_ref().is_none_or(|s| {
-            same(&s.mlp.gate, i, h) && same(&s.mlp.up, i, h) && same(&s.mlp.down, h, i) && s.gate_logits.rows * s.gate_logits.cols == 1
+            same(&s.mlp.gate, i, h) && same(&s.mlp.up, i, h) && same(&s.mlp.down, h, i) && (s.gate_logits.rows, s.gate_logits.cols) == (t, 1)
         });
-        let fused = x.rows == 1
+        // One token, or a few (checking drafts) one at a time, each as a decode step runs it.
+        let fused = (1..=GEMV1_TOKENS).contains(&t)
             && x.cols == h
             && norm.cols == h
-            && logits.rows == 1
+            && logits.rows == t
             && logits.cols == ex.count
             && (1..=ex.count.min(MOE_MAX_K)).contains(&routing.top_k)
             && shared_fits
@@ -202,8 +209,14 @@ impl GpuBackend {
         if !fused {
             return compose_moe_block(self, x, norm, eps, logits, ex, shared, routing);
         }
-        let out = x.buf.ptr;
-        self.moe_decode(x.buf.ptr, Some((norm, eps)), logits.buf.ptr, ex, shared.as_ref(), routing, out)
+        for r in 0..t {
+            let (x_at, logits_at) = ((r * h * 4) as u64, (r * ex.count * 4) as u64);
+            let gate_logits = shared.as_ref().map(|s| GpuBackend::row_view(s.gate_logits, r));
+            let shared_row = shared.as_ref().zip(gate_logits.as_ref()).map(|(s, g)| SharedExpert { mlp: s.mlp, gate_logits: g });
+            let at = x.buf.ptr + x_at;
+            self.moe_decode(at, Some((norm, eps)), logits.buf.ptr + logits_at, ex, shared_row.as_ref(), routing, at)?;
+        }
+        Ok(())
     }
 
     /// Whether the one-token expert GEMVs take these experts: whole 16-byte chunks per row, and
