@@ -343,26 +343,36 @@ def text_completions():
 @test
 def concurrent_requests_queue():
     expected = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=32)
-    results, errors = [None] * 4, []
+
+    def one(i):
+        kwargs = dict(model=MODEL, messages=HELLO, temperature=0, max_tokens=32)
+        if i % 2:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+
+    results = on_threads(one, 4, timeout=120)
+    assert results == [expected.choices[0].message.content] * 4, results
+
+
+def on_threads(fn, n, timeout):
+    """fn(0) .. fn(n - 1), each on a thread of its own, all at once: their results, in order
+    (any exception fails the caller's test)."""
+    results, errors = [None] * n, []
 
     def one(i):
         try:
-            kwargs = dict(model=MODEL, messages=HELLO, temperature=0, max_tokens=32)
-            if i % 2:
-                chunks = client.chat.completions.create(stream=True, **kwargs)
-                results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            else:
-                results[i] = client.chat.completions.create(**kwargs).choices[0].message.content
+            results[i] = fn(i)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=timeout)
     assert not errors, errors
-    assert results == [expected.choices[0].message.content] * 4, results
+    return results
 
 
 def agent_conversation(api, agent, turns=4):
@@ -388,20 +398,7 @@ def eight_agents_at_once_answer_as_alone():
     with other_server("--prefix-cache", "0") as (url, _):
         alone = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         expected = [[t[0] for t in agent_conversation(alone, agent)] for agent in range(8)]
-    results, errors = [None] * 8, []
-
-    def one(agent):
-        try:
-            results[agent] = agent_conversation(client, agent)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    results = on_threads(lambda agent: agent_conversation(client, agent), 8, timeout=300)
     for agent, turns in enumerate(results):
         assert [t[0] for t in turns] == expected[agent], (agent, turns, expected[agent])
         assert turns[2][1] >= 512, f"agent {agent}: histories too short to fill blocks"
