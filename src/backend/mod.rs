@@ -206,8 +206,6 @@ pub trait Backend: Send + Sync {
     fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
     /// Bytes `x` holds.
     fn tensor_bytes(&self, x: &Self::Tensor) -> usize;
-    /// Rows of `x`.
-    fn rows_of(&self, x: &Self::Tensor) -> usize;
     /// A copy of `x` (a recurrent state saved for later).
     fn save_tensor(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// Copies `saved` into `x`, which keeps its storage (recorded decode steps point at it).
@@ -397,11 +395,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// `argmax` of each row of a `[T, n]` tensor (verifying drafted tokens).
-    fn argmax_rows(&self, x: &Self::Tensor, limit: usize) -> Result<Vec<u32>> {
-        let values = self.to_host(x)?;
-        let n = values.len() / self.rows_of(x).max(1);
-        Ok(values.chunks_exact(n.max(1)).map(|row| crate::sampling::argmax(&row[..limit.min(row.len())])).collect())
-    }
+    fn argmax_rows(&self, x: &Self::Tensor, limit: usize) -> Result<Vec<u32>>;
 
     /// The `k` largest of the first `limit` values of a `[1, n]` tensor as (index, value), largest
     /// first, ties by index.

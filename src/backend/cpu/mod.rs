@@ -201,10 +201,6 @@ impl Backend for CpuBackend {
         std::mem::size_of_val(x.data.as_slice())
     }
 
-    fn rows_of(&self, x: &CpuTensor) -> usize {
-        x.rows
-    }
-
     fn save_tensor(&self, x: &CpuTensor) -> Result<CpuTensor> {
         Ok(x.clone())
     }

@@ -1015,10 +1015,6 @@ impl Backend for GpuBackend {
         x.rows * x.cols * 4
     }
 
-    fn rows_of(&self, x: &GpuTensor) -> usize {
-        x.rows
-    }
-
     fn save_tensor(&self, x: &GpuTensor) -> Result<GpuTensor> {
         let bytes = byte_size("saved tensor", &[x.rows, x.cols, 4])?;
         let saved = GpuTensor { buf: DeviceBuffer::new(&self.rt, bytes.max(4))?, rows: x.rows, cols: x.cols };
