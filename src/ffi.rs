@@ -127,7 +127,8 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 8] = ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes", "draft_max"];
+const OPTION_KEYS: [&str; 9] =
+    ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes", "draft_max", "parallel"];
 
 /// Load options as the C ABI takes them.
 struct LoadOptions {
@@ -168,6 +169,7 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         threads: uint("threads")?.unwrap_or(0),
         prefix_cache_bytes: uint("prefix_cache_bytes")?,
         draft_max: uint("draft_max")?.unwrap_or(0),
+        parallel: uint("parallel")?.unwrap_or(0),
     };
     let max_request_bytes = match uint("max_request_bytes")? {
         Some(0) => return Err(Error::InvalidArgument("option max_request_bytes must be greater than zero".into())),
@@ -187,7 +189,8 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
 /// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
-/// "draft_max": N}; unknown keys are an error.
+/// "draft_max": N, "parallel": N}; unknown keys are an error. `parallel`: requests decoded
+/// at once (0 or absent: as the device memory allows; 1 on the CPU).
 /// On success `*out_model` holds the handle (release it with atlas_unload).
 ///
 /// # Safety
@@ -204,7 +207,9 @@ pub unsafe extern "C" fn atlas_load(options_json: *const c_char, out_model: *mut
         let mut engine = Engine::load(&opts.engine, &mut |_| {}).map_err(|e| failed(e, true))?;
         engine.set_default_seed(opts.seed);
         let info = serde_json::to_string(engine.report()).map_err(|e| (AtlasStatus::Internal, e.to_string()))?;
-        *out_model = handles::insert(Loaded::new(engine, info, opts.max_request_bytes));
+        let engines = engine.split().map_err(|e| failed(e, true))?;
+        let loaded = Loaded::new(engines, info, opts.max_request_bytes).map_err(|e| failed(e, true))?;
+        *out_model = handles::insert(loaded);
         Ok(())
     })
 }

@@ -245,10 +245,10 @@ fn agent_conversation(handle: Handle, agent: usize, turns: usize) -> Vec<Turn> {
     out
 }
 
-/// Eight agents, four turns each, on one model from eight threads at once: every answer is the
-/// one the same conversation gets alone on a model without a prefix cache, and every turn starts
-/// from the previous turn's history (its full 256-position blocks at least), whichever agent ran
-/// in between.
+/// Eight agents, four turns each, on one model of eight sequence slots from eight threads at
+/// once (their decode steps batched): every answer is the one the same conversation gets alone
+/// on a model of one slot without a prefix cache, and every turn starts from the previous turn's
+/// history (its full 256-position blocks at least), whichever agent or slot ran in between.
 #[test]
 fn eight_agents_share_one_model_through_the_c_abi() {
     let options = |extra: Value| {
@@ -258,7 +258,7 @@ fn eight_agents_share_one_model_through_the_c_abi() {
     };
     let alone = load_ffi(options(json!({"prefix_cache_bytes": 0})));
     let expected: Vec<Vec<Value>> = (0..8).map(|agent| agent_conversation(alone, agent, 4).into_iter().map(|t| t.answer).collect()).collect();
-    let shared = load_ffi(options(json!({})));
+    let shared = load_ffi(options(json!({"parallel": 8})));
     std::thread::scope(|s| {
         for agent in 0..8 {
             let expected = &expected;

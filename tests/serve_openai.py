@@ -392,13 +392,16 @@ def agent_conversation(api, agent, turns=4):
 
 @test
 def eight_agents_at_once_answer_as_alone():
-    """8 threads x 4 turns: each conversation's answers equal those it gets alone on a server
-    without a prefix cache, and each turn resumes from the previous history's 256-token blocks
-    whoever ran in between."""
-    with other_server("--prefix-cache", "0") as (url, _):
+    """8 threads x 4 turns on a server decoding 8 at once: each conversation's answers equal
+    those it gets alone on a server of one slot without a prefix cache, and each turn resumes
+    from the previous history's 256-token blocks whoever ran in between."""
+    with other_server("--prefix-cache", "0", "--parallel", "1") as (url, _):
         alone = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         expected = [[t[0] for t in agent_conversation(alone, agent)] for agent in range(8)]
-    results = on_threads(lambda agent: agent_conversation(client, agent), 8, timeout=300)
+    with other_server("--parallel", "8") as (url, read_log):
+        assert "(8 at once)" in read_log(), read_log()
+        shared = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        results = on_threads(lambda agent: agent_conversation(shared, agent), 8, timeout=300)
     for agent, turns in enumerate(results):
         assert [t[0] for t in turns] == expected[agent], (agent, turns, expected[agent])
         assert turns[2][1] >= 512, f"agent {agent}: histories too short to fill blocks"

@@ -236,6 +236,11 @@ pub trait Backend: Send + Sync {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// The last row of `x` as a `[1, cols]` tensor.
     fn last_row(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Rows `start..start + len` of `x`: one sequence's part of a batched step. A GPU gives a
+    /// view of `x` (it must not outlive `x`), the CPU a copy; nothing may rely on either.
+    fn rows(&self, x: &Self::Tensor, start: usize, len: usize) -> Result<Self::Tensor>;
+    /// The rows of `parts`, in order, as one tensor (their widths agree).
+    fn stack_rows(&self, parts: &[Self::Tensor]) -> Result<Self::Tensor>;
 
     /// `residual += x · wᵀ (+ bias)`: a projection feeding the residual stream. Backends fuse it.
     fn linear_add(

@@ -1,13 +1,14 @@
 //! The engine: one loaded model with its tokenizer, chat template and KV cache. It turns a prompt
 //! into tokens and text, reusing the cached prefix of the previous request.
 
+pub mod batch;
 mod draft;
 mod frontend;
 pub mod prefix;
 mod stop;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use frontend::{check_fits, Frontend};
@@ -26,6 +27,8 @@ use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageMod
 use crate::sampling::{Adjustment, DeviceChoice, Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
+
+pub use batch::BatchStats;
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +67,10 @@ pub struct EngineOptions {
     /// Speculative decoding of greedy requests: up to this many tokens drafted by prompt lookup
     /// (see `draft`) and checked in one step; 0 turns it off.
     pub draft_max: usize,
+    /// Sequences decoded together (see `Engine::split`), each with a cache of the whole
+    /// context; 0: as many as a quarter of the device memory free after the load holds, at
+    /// most `batch::MAX_ROWS` (1 on the CPU).
+    pub parallel: usize,
 }
 
 /// The prefix cache's budget where the model runs in host memory.
@@ -71,7 +78,7 @@ pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0 }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, parallel: 1 }
     }
 }
 
@@ -91,6 +98,8 @@ pub struct LoadReport {
     pub notes: Vec<String>,
     /// The prefix cache's budget in bytes.
     pub prefix_cache_bytes: usize,
+    /// Sequences decoded together (see `Engine::parallel`).
+    pub parallel: usize,
     pub load_ms: f64,
 }
 
@@ -140,8 +149,11 @@ pub struct Engine {
     front: Frontend,
     /// Tokens whose keys and values are in the cache, in order.
     cached: Vec<u32>,
-    /// Pieces of earlier requests' caches, for prompts that begin as theirs did.
-    prefix: PrefixCache,
+    /// Pieces of earlier requests' caches, for prompts that begin as theirs did; shared by the
+    /// engines of one model (`parallel`).
+    prefix: Arc<Mutex<PrefixCache>>,
+    /// The model and its decode queue, when this engine is one slot of several.
+    batch: Option<Arc<batch::Shared>>,
     /// See `EngineOptions::draft_max`.
     draft_max: usize,
     default_seed: Option<u64>,
@@ -187,7 +199,12 @@ impl Engine {
         let path = &opts.model_dir;
         let Parts { config, defaults, tokenizer, template, store, unused } = parts;
         let (ctx_size, notes) = resolve_ctx(opts.ctx_size, &config)?;
-        let model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
+        let mut model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
+        let parallel = match opts.parallel {
+            0 => default_parallel(model.as_ref(), ctx_size),
+            n => n,
+        };
+        model.set_slots(parallel)?;
         let prefix_cache_bytes = opts.prefix_cache_bytes.unwrap_or_else(|| model.free_memory().map_or(DEFAULT_HOST_PREFIX_CACHE, |free| free / 2));
         let report = LoadReport {
             model_dir: path.display().to_string(),
@@ -200,11 +217,54 @@ impl Engine {
             unused,
             notes,
             prefix_cache_bytes,
+            parallel,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
         let front = Frontend::new(report.model_dir.clone(), tokenizer, template, defaults, ctx_size);
-        let prefix = PrefixCache::new(prefix_cache_bytes);
-        Ok(Engine { model, front, cached: Vec::new(), prefix, draft_max: opts.draft_max, default_seed: None, report, grammar_vocab: None })
+        let prefix = Arc::new(Mutex::new(PrefixCache::new(prefix_cache_bytes)));
+        Ok(Engine {
+            model,
+            front,
+            cached: Vec::new(),
+            prefix,
+            batch: None,
+            draft_max: opts.draft_max,
+            default_seed: None,
+            report,
+            grammar_vocab: None,
+        })
+    }
+
+    /// One engine per sequence slot of the model (`EngineOptions::parallel`, allocated at the
+    /// load), to be used from as many threads at once: their decode steps run together (see
+    /// `batch`), and they share the prefix cache. One slot gives this engine back.
+    pub fn split(self) -> Result<Vec<Engine>> {
+        let n = self.report.parallel;
+        if n <= 1 {
+            return Ok(vec![self]);
+        }
+        let Engine { model, front, prefix, draft_max, default_seed, report, grammar_vocab, .. } = self;
+        let shared = batch::Shared::new(model);
+        (0..n)
+            .map(|slot| {
+                Ok(Engine {
+                    model: Box::new(batch::SlotModel::new(&shared, slot)?),
+                    front: front.clone(),
+                    cached: Vec::new(),
+                    prefix: prefix.clone(),
+                    batch: Some(shared.clone()),
+                    draft_max,
+                    default_seed,
+                    report: report.clone(),
+                    grammar_vocab: grammar_vocab.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// How decode steps were batched (all zero for an engine that is not one of `parallel`'s).
+    pub fn batch_stats(&self) -> BatchStats {
+        self.batch.as_ref().map(|b| b.stats()).unwrap_or_default()
     }
 
     /// The tokenizer, template and limits, shared: usable while the engine runs a request.
@@ -414,6 +474,7 @@ impl Engine {
         on_logprob: &mut dyn FnMut(&TokenLogprob) -> bool,
     ) -> Result<Generation> {
         let result = self.decode(req, vocab_limit, on_text, on_logprob);
+        self.model.finish();
         // A grammar's last mask and the biases must not outlive their request, whatever happened.
         let mut cleared = Ok(true);
         if req.grammar.is_some() {
@@ -629,14 +690,16 @@ impl Engine {
         let common = common_prefix(&self.cached, prompt).min(limit);
         // Recurrent layers hold one state for all cached tokens: usable only to continue them.
         let live = if common < self.cached.len() && !self.model.can_rewind() { 0 } else { common };
-        let hit = self.prefix.lookup(prompt, limit, self.model.is_recurrent()).filter(|h| h.depth > live);
+        let prefix = self.prefix.clone();
+        let mut prefix = lock(&prefix);
+        let hit = prefix.lookup(prompt, limit, self.model.is_recurrent()).filter(|h| h.depth > live);
         let Some(hit) = hit else {
             self.cached.truncate(live);
             return Ok(live);
         };
         // Positions below `common` hold the same tokens already: only the pieces past them move
         // (and the last, which holds a recurrent state).
-        let pieces = self.prefix.pieces(&hit, common.min(hit.depth - 1));
+        let pieces = prefix.pieces(&hit, common.min(hit.depth - 1));
         if let Err(e) = self.model.restore(&pieces) {
             self.cached.clear();
             return Err(e);
@@ -651,10 +714,13 @@ impl Engine {
     /// but its last stretch, which the caller runs for the logits).
     fn prefill_with_states(&mut self, prompt: &[u32]) -> Result<usize> {
         let mut start = self.cached.len();
-        if !self.model.is_recurrent() || self.prefix.budget() == 0 {
+        let (budget, every) = {
+            let prefix = lock(&self.prefix);
+            (prefix.budget(), prefix.state_every())
+        };
+        if !self.model.is_recurrent() || budget == 0 {
             return Ok(start);
         }
-        let every = self.prefix.state_every();
         loop {
             let end = (start / every + 1) * every;
             if end >= prompt.len() {
@@ -670,11 +736,17 @@ impl Engine {
     /// Offers what the cache holds to the prefix cache. A piece that cannot be saved (no memory
     /// left on the device) is simply not kept: the request goes on.
     fn save_prefix(&mut self) {
-        if self.prefix.budget() > 0 && !self.cached.is_empty() {
-            let _ = self.prefix.save(self.model.as_mut(), &self.cached);
+        let mut prefix = lock(&self.prefix);
+        if prefix.budget() > 0 && !self.cached.is_empty() {
+            let _ = prefix.save(self.model.as_mut(), &self.cached);
         }
     }
 
+}
+
+/// The prefix cache; a panic while it was held leaves at worst pieces that are not found.
+fn lock(prefix: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
+    prefix.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Runs `run` (the token chosen last, then drafts) at `pos` and keeps the drafts the model would
@@ -897,6 +969,23 @@ impl LanguageModel for Noted {
     fn free_memory(&self) -> Option<usize> {
         self.inner.free_memory()
     }
+}
+
+/// `EngineOptions::parallel` = 0: as many sequences as a quarter of the free device memory holds
+/// caches for (keys and values in bf16, recurrent states in f32), within 1..=`batch::MAX_ROWS`.
+fn default_parallel(model: &dyn LanguageModel, ctx_size: usize) -> usize {
+    let Some(free) = model.free_memory() else { return 1 };
+    let c = model.config();
+    let (attention, recurrent) = match &c.hybrid {
+        Some(h) => {
+            let attention = h.layer_kinds.iter().filter(|k| matches!(k, crate::model::config::LayerKind::Attention)).count();
+            let state = h.value_heads * h.key_head_dim * h.value_head_dim + (h.conv_kernel - 1) * h.conv_dim();
+            (attention, (c.num_layers - attention) * state * 4)
+        }
+        None => (c.num_layers, 0),
+    };
+    let per_slot = (attention * ctx_size * c.kv_width() * 2 * 2 + recurrent).max(1);
+    (free / 4 / per_slot).clamp(1, batch::MAX_ROWS)
 }
 
 /// Where `atlas setup` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF): in `cache_dir()`,

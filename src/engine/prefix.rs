@@ -272,6 +272,8 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::PrefixCache;
+    use std::sync::{Arc, Mutex};
+    use crate::engine::lock;
     use crate::engine::{Device, Engine, EngineOptions, GenerateRequest, Generation};
     use crate::sampling::SamplingParams;
 
@@ -283,7 +285,7 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name);
         let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(512), ..EngineOptions::new(dir) };
         let mut engine = Engine::load(&opts, &mut |_| {}).unwrap();
-        engine.prefix = PrefixCache::with_geometry(budget, 16, 64);
+        engine.prefix = Arc::new(Mutex::new(PrefixCache::with_geometry(budget, 16, 64)));
         engine
     }
 
@@ -375,14 +377,14 @@ mod tests {
             let (a, b) = (tokens(9, 40), tokens(10, 45));
             let mut probe = load(name, 1 << 30);
             run(&mut probe, &a);
-            let budget = probe.prefix.used() * 9 / 4;
+            let budget = lock(&probe.prefix).used() * 9 / 4;
             let mut engine = load(name, budget);
             let mut reused = 0;
             let mut turn = |prompt: &[u32]| {
                 let out = run(&mut engine, prompt);
                 reused += out.cached_tokens;
                 same(&out, &alone(name, prompt), name);
-                assert!(engine.prefix.used() <= budget, "{name}: {} bytes kept of {budget}", engine.prefix.used());
+                assert!(lock(&engine.prefix).used() <= budget, "{name}: {} bytes kept of {budget}", lock(&engine.prefix).used());
                 [prompt, &out.tokens].concat()
             };
             // Two conversations, turn by turn, each re-sending its history.
@@ -392,7 +394,7 @@ mod tests {
             turn(&[b, tokens(12, 6)].concat());
             turn(&[a, tokens(13, 4)].concat());
             assert!(reused > 0, "{name}: nothing was reused");
-            assert!(engine.prefix.evicted() > 0, "{name}: nothing was evicted");
+            assert!(lock(&engine.prefix).evicted() > 0, "{name}: nothing was evicted");
         }
     }
 
@@ -403,7 +405,7 @@ mod tests {
         let a = tokens(12, 100);
         let first = run(&mut engine, &a);
         let again = run(&mut engine, &[a.clone(), first.tokens.clone()].concat());
-        assert_eq!(engine.prefix.len(), 0);
+        assert_eq!(lock(&engine.prefix).len(), 0);
         assert_eq!(again.cached_tokens, a.len() + first.tokens.len() - 1);
     }
 }

@@ -3,12 +3,14 @@
 //!   `atlas_unload` it is simply not found;
 //! - every call that found the handle counts as inside the model until it returns, and unload
 //!   waits for that count to reach zero before it frees the engine;
-//! - requests take a ticket on arrival and use the engine strictly in that order (a mutex alone
-//!   is not fair), preparing their prompts while they wait;
+//! - the model has one engine per sequence slot (load option `parallel`): up to that many
+//!   requests run at once, their decode steps batched; requests take a ticket on arrival and get
+//!   an engine strictly in that order (a mutex alone is not fair), preparing their prompts while
+//!   they wait;
 //! - a thread that is inside a request's `on_chunk` callback and calls back into the same model
 //!   is detected instead of deadlocking on the engine it already holds.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
 
@@ -35,8 +37,6 @@ pub struct Loaded {
     /// The load report as JSON, answered without the engine (also from inside a callback).
     pub info: String,
     pub max_request_bytes: usize,
-    /// None once unloaded.
-    engine: Mutex<Option<Engine>>,
     calls: Mutex<Calls>,
     changed: Condvar,
 }
@@ -50,18 +50,22 @@ struct Calls {
     serving: u64,
     /// Tickets given up before their turn came (their requests failed early): skipped.
     abandoned: BTreeSet<u64>,
+    /// Engines no request holds (one per sequence slot of the model).
+    free: Vec<Engine>,
+    unloaded: bool,
 }
 
 impl Loaded {
-    pub fn new(engine: Engine, info: String, max_request_bytes: usize) -> Self {
-        Loaded {
-            front: engine.frontend().clone(),
+    /// `engines`: one per sequence slot of one model (`Engine::split`), at least one.
+    pub fn new(engines: Vec<Engine>, info: String, max_request_bytes: usize) -> Result<Self> {
+        let front = engines.first().ok_or_else(|| Error::InvalidArgument("a model without an engine".into()))?.frontend().clone();
+        Ok(Loaded {
+            front,
             info,
             max_request_bytes,
-            engine: Mutex::new(Some(engine)),
-            calls: Mutex::new(Calls::default()),
+            calls: Mutex::new(Calls { free: engines, ..Calls::default() }),
             changed: Condvar::new(),
-        }
+        })
     }
 
     fn calls(&self) -> MutexGuard<'_, Calls> {
@@ -74,50 +78,57 @@ impl Loaded {
         let mut calls = self.calls();
         let ticket = calls.next_ticket;
         calls.next_ticket += 1;
-        Turn { loaded: self, ticket }
+        Turn { loaded: self, ticket, admitted: Cell::new(false) }
     }
 }
 
 pub struct Turn<'a> {
     loaded: &'a Loaded,
     ticket: u64,
+    /// It got its engine (and passed the turn on).
+    admitted: Cell<bool>,
+}
+
+impl Calls {
+    /// The ticket after `ticket` that has not been given up.
+    fn pass_on(&mut self, ticket: u64) {
+        let mut next = ticket + 1;
+        while self.abandoned.remove(&next) {
+            next += 1;
+        }
+        self.serving = next;
+    }
 }
 
 impl<'a> Turn<'a> {
-    /// Waits for this turn, then takes the engine.
+    /// Waits for this turn and a free engine, takes it, and lets the next ticket wait for one.
     pub fn engine(&self) -> Result<EngineGuard<'a>> {
         let loaded = self.loaded;
         let mut calls = loaded.calls();
-        while calls.serving != self.ticket {
+        while !calls.unloaded && (calls.serving != self.ticket || calls.free.is_empty()) {
             calls = loaded.changed.wait(calls).unwrap_or_else(|p| p.into_inner());
         }
-        drop(calls);
-        let engine = loaded.engine.lock().unwrap_or_else(|poisoned| {
-            // A panic in an earlier request may have left the cache half-written: forget it.
-            loaded.engine.clear_poison();
-            let mut engine = poisoned.into_inner();
-            if let Some(e) = engine.as_mut() {
-                e.reset_cache();
-            }
-            engine
-        });
-        if engine.is_none() {
+        if calls.unloaded {
             return Err(Error::InvalidArgument("the model was unloaded".into()));
         }
-        Ok(EngineGuard { engine })
+        let engine = calls.free.pop().ok_or_else(|| Error::InvalidArgument("the model was unloaded".into()))?;
+        calls.pass_on(self.ticket);
+        self.admitted.set(true);
+        drop(calls);
+        loaded.changed.notify_all();
+        Ok(EngineGuard { loaded, engine: Some(engine) })
     }
 }
 
 impl Drop for Turn<'_> {
-    /// Passes the turn on, or gives up a turn that has not come yet.
+    /// Gives up a turn that got no engine (its request failed early).
     fn drop(&mut self) {
+        if self.admitted.get() {
+            return;
+        }
         let mut calls = self.loaded.calls();
         if calls.serving == self.ticket {
-            let mut next = self.ticket + 1;
-            while calls.abandoned.remove(&next) {
-                next += 1;
-            }
-            calls.serving = next;
+            calls.pass_on(self.ticket);
         } else {
             calls.abandoned.insert(self.ticket);
         }
@@ -126,14 +137,27 @@ impl Drop for Turn<'_> {
     }
 }
 
-/// The engine, held during a turn (drop it before the turn).
+/// An engine, held by one request; it goes back to the model's free engines when dropped.
 pub struct EngineGuard<'a> {
-    engine: MutexGuard<'a, Option<Engine>>,
+    loaded: &'a Loaded,
+    engine: Option<Engine>,
 }
 
 impl EngineGuard<'_> {
     pub fn get(&mut self) -> &mut Engine {
-        self.engine.as_mut().expect("checked when the guard was made")
+        self.engine.as_mut().expect("held until the guard is dropped")
+    }
+}
+
+impl Drop for EngineGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut engine) = self.engine.take() else { return };
+        // A panic in the request may have left the cache half-written: forget it.
+        if std::thread::panicking() {
+            engine.reset_cache();
+        }
+        self.loaded.calls().free.push(engine);
+        self.loaded.changed.notify_all();
     }
 }
 
@@ -242,7 +266,8 @@ pub fn unload(handle: *mut AtlasModel) {
     while calls.inside > 0 {
         calls = loaded.changed.wait(calls).unwrap_or_else(|p| p.into_inner());
     }
+    calls.unloaded = true;
+    let engines = std::mem::take(&mut calls.free);
     drop(calls);
-    let engine = loaded.engine.lock().unwrap_or_else(|p| p.into_inner()).take();
-    drop(engine);
+    drop(engines);
 }

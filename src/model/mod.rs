@@ -75,6 +75,51 @@ pub trait LanguageModel: Send {
     fn restore(&mut self, pieces: &[&SavedCache]) -> Result<()>;
     /// See `Backend::free_memory`.
     fn free_memory(&self) -> Option<usize>;
+
+    /// Sequences the model keeps caches for (see `set_slots`); the calls above act on the
+    /// selected one.
+    fn slots(&self) -> usize {
+        1
+    }
+    /// Makes room for `n` sequences, each with a cache of the whole context (allocated now, so a
+    /// device that cannot hold them says so at load). Slot 0 keeps what it holds.
+    fn set_slots(&mut self, n: usize) -> Result<()> {
+        if n == 1 {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!("{n} sequences at once on {}", self.backend_description())))
+    }
+    /// The sequence that `step`, `save` and `restore` act on from now on.
+    fn select(&mut self, slot: usize) -> Result<()> {
+        if slot == 0 {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!("sequence slot {slot} of 1")))
+    }
+    /// One decode step of several sequences together (distinct slots, one token each): each
+    /// row's result is what `step` of that slot alone gives, bit for bit where the backend's
+    /// kernels are batch-invariant (see `Backend::linear`). The token mask and logit adjustments
+    /// must be off.
+    fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            self.select(row.slot)?;
+            out.push(self.step(&[row.token], row.pos, row.want)?);
+        }
+        Ok(out)
+    }
+    /// The sequence in the selected slot takes no further steps for now: batching stops
+    /// waiting for it.
+    fn finish(&mut self) {}
+}
+
+/// One sequence's token in a batched decode step (`LanguageModel::step_batch`).
+#[derive(Debug, Clone, Copy)]
+pub struct BatchRow {
+    pub slot: usize,
+    pub token: u32,
+    pub pos: usize,
+    pub want: StepOutput,
 }
 
 /// A piece of a sequence's cache copied out of a model (`LanguageModel::save`): what the prefix
@@ -130,14 +175,44 @@ pub trait Network<B: Backend>: Send + Sync {
     fn config(&self) -> &ModelConfig;
     /// A fresh cache per layer for `capacity` positions (recurrent states start at zero).
     fn new_cache(&self, b: &B, capacity: usize) -> Result<Vec<LayerCache<B>>>;
-    /// Runs `tokens` at positions `start_pos..` and returns the logits of the last one
-    /// (`[1, vocab_size]`, on the backend), or of every one (`[T, vocab_size]`). The cache must
-    /// hold positions `0..start_pos`.
-    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>], rows: LogitRows) -> Result<B::Tensor>;
+    /// Runs `tokens`, the tokens of each sequence of `seqs` in turn (`len` each, at positions
+    /// `start_pos..` of its own cache, which must hold `0..start_pos`), and returns the logits
+    /// of each sequence's last position (`[seqs, vocab_size]`, on the backend) or of every
+    /// position (`[T, vocab_size]`).
+    fn forward(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<B::Tensor>;
 }
 
-/// Whose logits a forward pass computes: the last position's (generation), or every position's
-/// (scoring a text: perplexity, KL divergence).
+/// One sequence of a forward pass: `len` tokens at `start_pos..` of `cache` (one per layer).
+pub struct Seq<'a, B: Backend> {
+    pub start_pos: usize,
+    pub len: usize,
+    pub cache: &'a mut [LayerCache<B>],
+}
+
+/// Runs `f` on each sequence's rows of `inputs` (in the order of `seqs`) and stacks what it
+/// returns: the ops of a batched step that read a sequence's own cache (attention, recurrences).
+fn per_seq<B: Backend, const N: usize>(
+    b: &B,
+    inputs: [B::Tensor; N],
+    seqs: &mut [Seq<'_, B>],
+    mut f: impl FnMut([B::Tensor; N], &mut Seq<'_, B>) -> Result<B::Tensor>,
+) -> Result<B::Tensor> {
+    if let [seq] = seqs {
+        return f(inputs, seq);
+    }
+    let mut outs = Vec::with_capacity(seqs.len());
+    let mut row = 0;
+    for seq in seqs.iter_mut() {
+        let part: Vec<B::Tensor> = inputs.iter().map(|x| b.rows(x, row, seq.len)).collect::<Result<_>>()?;
+        let part: [B::Tensor; N] = part.try_into().map_err(|_| Error::InvalidArgument("per_seq: input count".into()))?;
+        outs.push(f(part, seq)?);
+        row += seq.len;
+    }
+    b.stack_rows(&outs)
+}
+
+/// Whose logits a forward pass computes: each sequence's last position's (generation), or every
+/// position's (scoring a text: perplexity, KL divergence).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitRows {
     Last,
@@ -146,11 +221,20 @@ pub enum LogitRows {
 
 impl LogitRows {
     /// The rows of the final hidden states `x` `[T, H]` that go on to the head.
-    fn of<B: Backend>(self, b: &B, x: B::Tensor) -> Result<B::Tensor> {
-        match self {
-            LogitRows::Last => b.last_row(&x),
-            LogitRows::All => Ok(x),
+    fn of<B: Backend>(self, b: &B, x: B::Tensor, seqs: &[Seq<'_, B>]) -> Result<B::Tensor> {
+        if self == LogitRows::All || seqs.iter().all(|s| s.len == 1) {
+            return Ok(x);
         }
+        if let [_] = seqs {
+            return b.last_row(&x);
+        }
+        let mut end = 0;
+        let mut last = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            end += s.len;
+            last.push(b.rows(&x, end - 1, 1)?);
+        }
+        b.stack_rows(&last)
     }
 }
 
@@ -186,21 +270,30 @@ fn load_network<B: Backend + 'static>(
     })
 }
 
-pub struct Bound<B: Backend> {
-    backend: B,
-    model: Box<dyn Network<B>>,
+/// One sequence's cache in a `Bound` model.
+struct Slot<B: Backend> {
     cache: Vec<LayerCache<B>>,
     /// The position the recurrent states have reached (None after a failed step: they must
     /// start again). Models without recurrent layers ignore it.
     recurrent_at: Option<usize>,
+}
+
+pub struct Bound<B: Backend> {
+    backend: B,
+    model: Box<dyn Network<B>>,
+    slots: Vec<Slot<B>>,
+    /// The slot `step`, `save` and `restore` act on.
+    current: usize,
     recurrent: bool,
-    /// Positions the cache was made for. A replayed decode step writes where its device-side
+    /// Positions each cache was made for. A replayed decode step writes where its device-side
     /// position says, unchecked, so every step is held within this before it reaches a backend.
     ctx_size: usize,
     /// Forward passes so far: decode steps are recorded only once everything they touch exists.
     passes: usize,
     /// False once the backend failed to record a decode step: later steps run without a graph.
     recordable: bool,
+    /// The slot whose caches the recorded decode step points at.
+    recorded_slot: Option<usize>,
 }
 
 impl<B: Backend + 'static> Bound<B> {
@@ -214,37 +307,12 @@ impl<B: Backend + 'static> Bound<B> {
         let model = load_network(config, source, &backend, progress)?;
         let cache = model.new_cache(&backend, ctx_size)?;
         let recurrent = cache.iter().any(|c| matches!(c, LayerCache::Recurrent { .. }));
-        Ok(Bound { backend, model, cache, recurrent_at: Some(0), recurrent, ctx_size, passes: 0, recordable: true })
+        let slots = vec![Slot { cache, recurrent_at: Some(0) }];
+        Ok(Bound { backend, model, slots, current: 0, recurrent, ctx_size, passes: 0, recordable: true, recorded_slot: None })
     }
 
-    /// Recurrent states continue only from where they are; position 0 starts them again.
-    fn prepare_recurrent(&mut self, start_pos: usize) -> Result<()> {
-        if !self.recurrent {
-            return Ok(());
-        }
-        if start_pos == 0 && self.recurrent_at != Some(0) {
-            self.cache = self.model.new_cache(&self.backend, self.ctx_size)?;
-        } else if self.recurrent_at != Some(start_pos) {
-            return Err(Error::InvalidArgument(format!(
-                "a step at position {start_pos}, but the recurrent layers' state is {}",
-                self.recurrent_at.map_or("lost after a failed step".to_string(), |p| format!("at position {p}"))
-            )));
-        }
-        self.recurrent_at = None;
-        Ok(())
-    }
-}
-
-impl<B: Backend + 'static> LanguageModel for Bound<B> {
-    fn config(&self) -> &ModelConfig {
-        self.model.config()
-    }
-
-    fn can_rewind(&self) -> bool {
-        !self.recurrent
-    }
-
-    fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
+    /// The checks every step makes of one sequence's tokens before they reach a backend.
+    fn check_step(&self, tokens: &[u32], start_pos: usize) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::InvalidRequest("no tokens to run".into()));
         }
@@ -260,10 +328,46 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidRequest(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
         }
-        self.prepare_recurrent(start_pos)?;
+        Ok(())
+    }
+
+    /// Recurrent states continue only from where they are; position 0 starts them again.
+    fn prepare_recurrent(&mut self, slot: usize, start_pos: usize) -> Result<()> {
+        if !self.recurrent {
+            return Ok(());
+        }
+        let at = self.slots[slot].recurrent_at;
+        if start_pos == 0 && at != Some(0) {
+            self.slots[slot].cache = self.model.new_cache(&self.backend, self.ctx_size)?;
+            if self.recorded_slot == Some(slot) {
+                self.recorded_slot = None;
+            }
+        } else if at != Some(start_pos) {
+            return Err(Error::InvalidArgument(format!(
+                "a step at position {start_pos}, but the recurrent layers' state is {}",
+                at.map_or("lost after a failed step".to_string(), |p| format!("at position {p}"))
+            )));
+        }
+        self.slots[slot].recurrent_at = None;
+        Ok(())
+    }
+}
+
+impl<B: Backend + 'static> LanguageModel for Bound<B> {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn can_rewind(&self) -> bool {
+        !self.recurrent
+    }
+
+    fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
+        self.check_step(tokens, start_pos)?;
+        self.prepare_recurrent(self.current, start_pos)?;
         let end = start_pos + tokens.len();
         let out = self.run_step(tokens, start_pos, want, meanwhile)?;
-        self.recurrent_at = Some(end);
+        self.slots[self.current].recurrent_at = Some(end);
         Ok(out)
     }
 
@@ -287,14 +391,15 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         if start >= end || end > self.ctx_size {
             return Err(Error::InvalidArgument(format!("save: positions {start}..{end} in a context of {}", self.ctx_size)));
         }
+        let slot = &self.slots[self.current];
         let with_state = with_state && self.recurrent;
-        if with_state && self.recurrent_at != Some(end) {
+        if with_state && slot.recurrent_at != Some(end) {
             return Err(Error::InvalidArgument(format!("save: a state at position {end}, but the recurrent layers are elsewhere")));
         }
         let b = &self.backend;
         let mut bytes = 0;
-        let mut layers = Vec::with_capacity(self.cache.len());
-        for layer in &self.cache {
+        let mut layers = Vec::with_capacity(slot.cache.len());
+        for layer in &slot.cache {
             layers.push(match layer {
                 LayerCache::Attention(kv) => {
                     let saved = b.save_kv(kv, start, end - start)?;
@@ -320,15 +425,16 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         if self.recurrent && !last.has_state {
             return Err(Error::InvalidArgument("restore: a model with recurrent layers needs a saved state".into()));
         }
+        let slot = &mut self.slots[self.current];
         // A half-written cache is no state to continue from.
-        self.recurrent_at = None;
+        slot.recurrent_at = None;
         for piece in pieces {
             let layers = piece
                 .layers
                 .downcast_ref::<Vec<SavedLayer<B>>>()
-                .filter(|l| l.len() == self.cache.len())
+                .filter(|l| l.len() == slot.cache.len())
                 .ok_or_else(|| Error::InvalidArgument("restore: the pieces were saved by another model".into()))?;
-            for (saved, live) in layers.iter().zip(&mut self.cache) {
+            for (saved, live) in layers.iter().zip(&mut slot.cache) {
                 match (saved, live) {
                     (SavedLayer::Kv(saved), LayerCache::Attention(kv)) => self.backend.restore_kv(saved, kv, piece.start)?,
                     (SavedLayer::State { conv, state }, LayerCache::Recurrent { conv: c, state: s }) => {
@@ -340,8 +446,76 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
                 }
             }
         }
-        self.recurrent_at = Some(last.end);
+        slot.recurrent_at = Some(last.end);
         Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn set_slots(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Err(Error::InvalidArgument("a model for no sequences".into()));
+        }
+        self.slots.truncate(n);
+        while self.slots.len() < n {
+            let cache = self.model.new_cache(&self.backend, self.ctx_size).map_err(|e| {
+                Error::Device(format!("the cache of sequence {} of {n} ({} positions) does not fit: {e}", self.slots.len() + 1, self.ctx_size))
+            })?;
+            self.slots.push(Slot { cache, recurrent_at: Some(0) });
+        }
+        self.current = self.current.min(n - 1);
+        Ok(())
+    }
+
+    fn select(&mut self, slot: usize) -> Result<()> {
+        if slot >= self.slots.len() {
+            return Err(Error::InvalidArgument(format!("sequence slot {slot} of {}", self.slots.len())));
+        }
+        self.current = slot;
+        Ok(())
+    }
+
+    fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
+        if let [row] = rows {
+            self.select(row.slot)?;
+            return Ok(vec![self.step(&[row.token], row.pos, row.want)?]);
+        }
+        let mut taken = vec![false; self.slots.len()];
+        for row in rows {
+            if row.slot >= taken.len() || std::mem::replace(&mut taken[row.slot], true) {
+                return Err(Error::InvalidArgument(format!("step_batch: slot {} missing or twice", row.slot)));
+            }
+            if matches!(row.want, StepOutput::AllLogits | StepOutput::ArgmaxEach { .. }) {
+                return Err(Error::InvalidArgument("step_batch: one output per sequence".into()));
+            }
+            self.check_step(&[row.token], row.pos)?;
+        }
+        for row in rows {
+            self.prepare_recurrent(row.slot, row.pos)?;
+        }
+        self.passes += 1;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let mut caches: Vec<Option<&mut Slot<B>>> = self.slots.iter_mut().map(Some).collect();
+        let mut seqs: Vec<Seq<'_, B>> = rows
+            .iter()
+            .map(|r| {
+                let slot = caches[r.slot].take().ok_or_else(|| Error::InvalidArgument("step_batch: slot twice".into()))?;
+                Ok(Seq { start_pos: r.pos, len: 1, cache: &mut slot.cache })
+            })
+            .collect::<Result<_>>()?;
+        let b = &self.backend;
+        let logits = self.model.forward(b, &tokens, &mut seqs, LogitRows::Last)?; // [rows, vocab]
+        drop(seqs);
+        let mut out = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            out.push(choose(b, &b.rows(&logits, i, 1)?, row.want)?);
+        }
+        for row in rows {
+            self.slots[row.slot].recurrent_at = Some(row.pos + 1);
+        }
+        Ok(out)
     }
 }
 
@@ -351,16 +525,24 @@ impl<B: Backend + 'static> Bound<B> {
     fn run_step(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
         let vocab = self.model.config().vocab_size;
         let every_row = matches!(want, StepOutput::AllLogits | StepOutput::ArgmaxEach { .. });
+        let current = self.current;
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable && !every_row) {
-            let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
-            let queued = b.replay_decode(*token, start_pos, want)? || {
-                let mut step = || model.forward(b, tokens, start_pos, cache, LogitRows::Last);
+            let (b, model) = (&self.backend, &self.model);
+            let mut seqs = [Seq { start_pos, len: 1, cache: &mut self.slots[current].cache }];
+            // A recording points at one slot's caches: another slot records anew.
+            let replayed = self.recorded_slot == Some(current) && b.replay_decode(*token, start_pos, want)?;
+            let queued = replayed || {
+                let mut step = || model.forward(b, tokens, &mut seqs, LogitRows::Last);
                 match b.record_decode(*token, start_pos, vocab, want, &mut step) {
-                    Ok(recorded) => recorded,
+                    Ok(recorded) => {
+                        self.recorded_slot = recorded.then_some(current);
+                        recorded
+                    }
                     // The driver could not record this step (nothing ran): run it, and the
                     // later ones, without a graph. Errors of the request itself are returned.
                     Err(Error::Device(_) | Error::Unsupported(_)) => {
                         self.recordable = false;
+                        self.recorded_slot = None;
                         false
                     }
                     Err(e) => return Err(e),
@@ -372,21 +554,27 @@ impl<B: Backend + 'static> Bound<B> {
             }
         }
         self.passes += 1;
-        let (b, model, cache) = (&self.backend, &self.model, &mut self.cache);
+        let (b, model) = (&self.backend, &self.model);
+        let mut seqs = [Seq { start_pos, len: tokens.len(), cache: &mut self.slots[current].cache }];
         let rows = if every_row { LogitRows::All } else { LogitRows::Last };
-        let logits = model.forward(b, tokens, start_pos, cache, rows)?;
+        let logits = model.forward(b, tokens, &mut seqs, rows)?;
         set_mask(b, meanwhile)?;
-        Ok(match want {
-            StepOutput::Logits | StepOutput::AllLogits => StepResult::Logits(b.to_host(&logits)?),
-            StepOutput::Argmax { limit } => StepResult::Token(b.argmax(&logits, limit)?),
-            StepOutput::ArgmaxEach { limit } => StepResult::Tokens(b.argmax_rows(&logits, limit)?),
-            StepOutput::Draw { limit, temperature, u } => StepResult::Token(b.draw(&logits, limit, temperature, u)?),
-            StepOutput::TopK { k, limit, temperature, cut } => {
-                let best = b.top_k(&logits, k, limit)?;
-                crate::backend::candidates_result(b, &logits, best, limit, temperature, cut)?
-            }
-        })
+        choose(b, &logits, want)
     }
+}
+
+/// What `want` asks of a step's logits.
+fn choose<B: Backend>(b: &B, logits: &B::Tensor, want: StepOutput) -> Result<StepResult> {
+    Ok(match want {
+        StepOutput::Logits | StepOutput::AllLogits => StepResult::Logits(b.to_host(logits)?),
+        StepOutput::Argmax { limit } => StepResult::Token(b.argmax(logits, limit)?),
+        StepOutput::ArgmaxEach { limit } => StepResult::Tokens(b.argmax_rows(logits, limit)?),
+        StepOutput::Draw { limit, temperature, u } => StepResult::Token(b.draw(logits, limit, temperature, u)?),
+        StepOutput::TopK { k, limit, temperature, cut } => {
+            let best = b.top_k(logits, k, limit)?;
+            crate::backend::candidates_result(b, logits, best, limit, temperature, cut)?
+        }
+    })
 }
 
 /// Runs `meanwhile` and sets the mask it returns; whether it did.

@@ -11,7 +11,7 @@
 use super::config::{ModelConfig, RopeScaling};
 use super::loader::{Linear, Loader};
 use super::mlp::FeedForward;
-use super::{LayerCache, LogitRows, Network};
+use super::{per_seq, LayerCache, LogitRows, Network, Seq};
 use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{AttentionShape, Backend, QkNorms, Rope};
 use crate::Result;
@@ -96,24 +96,27 @@ impl<B: Backend> Network<B> for Qwen3<B> {
         (0..self.layers.len()).map(|_| Ok(LayerCache::Attention(backend.new_kv_cache(self.config.kv_width(), capacity)?))).collect()
     }
 
-    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>], rows: LogitRows) -> Result<B::Tensor> {
+    fn forward(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<B::Tensor> {
         let c = &self.config;
         let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
         let eps = c.rms_norm_eps;
 
         let mut x = b.embed(&self.embed_tokens, tokens)?; // [T, H]
-        for (layer, kv) in self.layers.iter().zip(cache.iter_mut()) {
+        for (l, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             // [T, heads * head_dim], [T, kv_heads * head_dim] twice
             let [q, k, v] =
                 b.norm_linears(&x, &layer.input_layernorm, eps, [attn.q_proj.proj(), attn.k_proj.proj(), attn.v_proj.proj()])?;
-            let norms = QkNorms { q: attn.q_norm.as_ref(), k: attn.k_norm.as_ref(), eps };
-            let o = b.rotary_attention(q, k, &v, norms, &self.rope, kv.kv()?, start_pos, shape)?; // [T, heads * head_dim]
+            // [T, heads * head_dim], each sequence over its own cache
+            let o = per_seq(b, [q, k, v], seqs, |[q, k, v], seq| {
+                let norms = QkNorms { q: attn.q_norm.as_ref(), k: attn.k_norm.as_ref(), eps };
+                b.rotary_attention(q, k, &v, norms, &self.rope, seq.cache[l].kv()?, seq.start_pos, shape)
+            })?;
             b.linear_add(&o, &attn.o_proj.weight, attn.o_proj.bias.as_ref(), &mut x)?; // x += o_proj(o)
 
             layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))
         }
-        let x = b.rms_norm(&rows.of(b, x)?, &self.norm, eps)?; // [1, H], or [T, H] for every position
+        let x = b.rms_norm(&rows.of(b, x, seqs)?, &self.norm, eps)?; // [seqs, H], or [T, H] for every position
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         b.linear(&x, head, None)
     }

@@ -19,7 +19,7 @@ use super::loader::Loader;
 use super::mlp::FeedForward;
 use super::qwen3::inv_freq;
 use super::weights::{LoadProgress, WeightSource};
-use super::{LayerCache, LogitRows, Network};
+use super::{per_seq, LayerCache, LogitRows, Network, Seq};
 use crate::backend::{AttentionShape, Backend, DeltaShape, QkNorms, Rope};
 use crate::{Error, Result};
 
@@ -170,35 +170,40 @@ impl<B: Backend> Network<B> for Qwen35<B> {
             .collect()
     }
 
-    fn forward(&self, b: &B, tokens: &[u32], start_pos: usize, cache: &mut [LayerCache<B>], rows: LogitRows) -> Result<B::Tensor> {
+    fn forward(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<B::Tensor> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
         let mut x = b.embed(&self.embed_tokens, tokens)?; // [T, H]
-        for (layer, layer_cache) in self.layers.iter().zip(cache.iter_mut()) {
+        for (l, layer) in self.layers.iter().enumerate() {
             let norm = &layer.input_layernorm;
             match &layer.mixer {
                 Mixer::DeltaNet(net) => {
-                    let (conv_state, state) = layer_cache.recurrent()?;
                     let projs = [&net.in_proj_qkv, &net.in_proj_z, &net.in_proj_b, &net.in_proj_a].map(|w| crate::backend::Proj { weight: w, bias: None });
                     let [qkv, z, beta, a] = b.norm_linears(&x, norm, eps, projs)?; // [T, C], [T, Hv·dv], [T, Hv] twice
-                    let qkv = b.conv1d_silu(&qkv, &net.conv1d, conv_state)?; // [T, C]
-                    let o = b.gated_delta_rule(&qkv, &a, &beta, &net.a_log, &net.dt_bias, state, self.delta_shape())?; // [T, Hv·dv]
+                    // [T, Hv·dv], each sequence from its own states
+                    let o = per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| {
+                        let (conv_state, state) = seq.cache[l].recurrent()?;
+                        let qkv = b.conv1d_silu(&qkv, &net.conv1d, conv_state)?; // [T, C]
+                        b.gated_delta_rule(&qkv, &a, &beta, &net.a_log, &net.dt_bias, state, self.delta_shape())
+                    })?;
                     let o = b.gated_rms_norm(&o, &z, &net.norm, eps)?;
                     b.linear_add(&o, &net.out_proj, None, &mut x)?; // x += out_proj(o)
                 }
                 Mixer::Attention(attn) => {
                     let projs = [&attn.q_proj, &attn.q_gate, &attn.k_proj, &attn.v_proj].map(|w| crate::backend::Proj { weight: w, bias: None });
                     let [q, gate, k, v] = b.norm_linears(&x, norm, eps, projs)?; // [T, heads·d] twice, [T, kv_heads·d] twice
-                    let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
-                    let mut o = b.rotary_attention(q, k, &v, norms, &self.rope, layer_cache.kv()?, start_pos, shape)?;
+                    let mut o = per_seq(b, [q, k, v], seqs, |[q, k, v], seq| {
+                        let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
+                        b.rotary_attention(q, k, &v, norms, &self.rope, seq.cache[l].kv()?, seq.start_pos, shape)
+                    })?;
                     b.sigmoid_gate(&mut o, &gate)?; // o *= σ(gate)
                     b.linear_add(&o, &attn.o_proj, None, &mut x)?; // x += o_proj(o)
                 }
             }
             layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))
         }
-        let x = b.rms_norm(&rows.of(b, x)?, &self.norm, eps)?; // [1, H], or [T, H] for every position
+        let x = b.rms_norm(&rows.of(b, x, seqs)?, &self.norm, eps)?; // [seqs, H], or [T, H] for every position
         b.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
     }
 }

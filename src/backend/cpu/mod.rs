@@ -549,4 +549,20 @@ impl Backend for CpuBackend {
         }
         Ok(CpuTensor::new(1, x.cols, x.row(x.rows - 1).to_vec()))
     }
+
+    fn rows(&self, x: &CpuTensor, start: usize, len: usize) -> Result<CpuTensor> {
+        if start.checked_add(len).is_none_or(|end| end > x.rows) {
+            return Err(Error::InvalidArgument(format!("rows {start}..+{len} of a tensor of {} rows", x.rows)));
+        }
+        Ok(CpuTensor::new(len, x.cols, x.data[start * x.cols..(start + len) * x.cols].to_vec()))
+    }
+
+    fn stack_rows(&self, parts: &[CpuTensor]) -> Result<CpuTensor> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(Error::InvalidArgument("stack_rows: parts of different widths".into()));
+        }
+        let data: Vec<f32> = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        Ok(CpuTensor::new(data.len() / cols.max(1), cols, data))
+    }
 }

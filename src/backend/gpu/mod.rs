@@ -1339,6 +1339,28 @@ impl Backend for GpuBackend {
         Ok(out)
     }
 
+    fn rows(&self, x: &GpuTensor, start: usize, len: usize) -> Result<GpuTensor> {
+        if start.checked_add(len).is_none_or(|end| end > x.rows) {
+            return Err(Error::InvalidArgument(format!("rows {start}..+{len} of a tensor of {} rows", x.rows)));
+        }
+        let ptr = x.buf.ptr + (start * x.cols * 4) as u64;
+        Ok(GpuTensor { buf: DeviceBuffer { ptr, rt: None }, rows: len, cols: x.cols })
+    }
+
+    fn stack_rows(&self, parts: &[GpuTensor]) -> Result<GpuTensor> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(Error::InvalidArgument("stack_rows: parts of different widths".into()));
+        }
+        let out = self.tensor(parts.iter().map(|p| p.rows).sum(), cols)?;
+        let mut at = out.buf.ptr;
+        for p in parts {
+            self.rt.copy(at, p.buf.ptr, p.rows * cols * 4)?;
+            at += (p.rows * cols * 4) as u64;
+        }
+        Ok(out)
+    }
+
     fn set_token_mask(&self, mask: Option<&[u32]>) -> Result<()> {
         if mask.is_some_and(<[u32]>::is_empty) {
             return Err(Error::InvalidArgument("an empty token mask (it would allow nothing)".into()));

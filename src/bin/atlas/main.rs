@@ -121,7 +121,8 @@ enum Command {
     /// {"error": {"message", "type", "code"}}: 400 for a request the engine refuses, 401 for a
     /// wrong API key, 500 for an internal failure, 503 while loading.
     ///
-    /// The engine answers one request at a time; others wait their turn. A client that
+    /// Up to --parallel requests run at once (default: as the GPU memory allows, at most 8; 1 on
+    /// the CPU), their decode steps batched; others wait their turn. A client that
     /// disconnects cancels its request. Ctrl-C (or SIGTERM) stops accepting connections and
     /// finishes the requests in flight; a second one stops at once.
     ///
@@ -155,6 +156,12 @@ pub struct LoadArgs {
     /// occurrence of the latest few tokens) and checked by the model in one step. 0: off.
     #[arg(long, value_name = "N", default_value_t = 0)]
     draft_max: usize,
+    /// Requests decoded at once, each with a cache of the whole context (allocated at the load):
+    /// their decode steps run as one batched step, which reads the weights once for all of them.
+    /// 0: as many as a quarter of the GPU memory free after the load holds, at most 8. Default: 0
+    /// for `serve`, 1 otherwise (and always 1 on the CPU unless given).
+    #[arg(long, value_name = "N")]
+    parallel: Option<usize>,
 }
 
 impl LoadArgs {
@@ -184,7 +191,13 @@ impl LoadArgs {
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
             draft_max: self.draft_max,
+            parallel: self.parallel.unwrap_or(1),
         })
+    }
+
+    /// `--parallel`, or `default` when it was not given.
+    pub fn parallel_or(&self, default: usize) -> usize {
+        self.parallel.unwrap_or(default)
     }
 
     fn prefix_cache_bytes(&self) -> Option<usize> {
@@ -200,6 +213,7 @@ impl LoadArgs {
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
             draft_max: self.draft_max,
+            parallel: self.parallel.unwrap_or(1),
         })
     }
 

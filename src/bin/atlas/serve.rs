@@ -1,10 +1,11 @@
-//! `atlas serve`: an OpenAI-compatible HTTP server over one loaded engine.
+//! `atlas serve`: an OpenAI-compatible HTTP server over one loaded model.
 //!
-//! A request is parsed, rendered and tokenized on a blocking thread before it asks for the engine,
-//! so a malformed or oversized prompt is refused without waiting for (or holding) the engine. The
-//! engine answers one request at a time: it sits behind tokio's mutex, which is fair, so prepared
-//! requests take it first come, first served, and a request whose client leaves while it waits
-//! drops out of the queue with its handler. Each completion then runs on a blocking thread.
+//! A request is parsed, rendered and tokenized on a blocking thread before it asks for an engine,
+//! so a malformed or oversized prompt is refused without waiting for (or holding) one. The model
+//! has one engine per sequence slot (`--parallel`); their decode steps run batched. Requests take
+//! a free engine first come, first served (a fair semaphore), and a request whose client leaves
+//! while it waits drops out of the queue with its handler. Each completion then runs on a
+//! blocking thread.
 //!
 //! Streamed chunks travel from that thread to the client through a backlog bounded by chunks and by
 //! bytes. When it is full generation waits for the client; a client that takes nothing for
@@ -32,7 +33,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot, OwnedMutexGuard};
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 
 use crate::LoadArgs;
@@ -75,12 +76,62 @@ struct Server {
 }
 
 struct Loaded {
-    /// Fair: requests get the engine in the order they asked for it.
-    engine: Arc<tokio::sync::Mutex<Engine>>,
+    engines: Arc<Engines>,
     /// The template and tokenizer, to prepare requests without the engine.
     frontend: Frontend,
     model: String,
     created: u64,
+}
+
+/// The model's engines, one per sequence slot (`--parallel`): a request takes one for its
+/// generation and gives it back at the end. Fair: requests get them in the order they asked.
+struct Engines {
+    free: Mutex<Vec<Engine>>,
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl Engines {
+    fn new(engines: Vec<Engine>) -> Arc<Self> {
+        let permits = Arc::new(tokio::sync::Semaphore::new(engines.len()));
+        Arc::new(Engines { free: Mutex::new(engines), permits })
+    }
+
+    /// Waits for a free engine. A client that leaves while waiting drops its place.
+    async fn take(self: &Arc<Self>) -> Result<Lease, ApiError> {
+        let permit = self.permits.clone().acquire_owned().await.map_err(|e| ApiError::internal(format!("no engine: {e}")))?;
+        let engine = lock(&self.free).pop().ok_or_else(|| ApiError::internal("a permit without a free engine"))?;
+        Ok(Lease { engine: Some(engine), engines: self.clone(), _permit: permit })
+    }
+}
+
+/// An engine held by one request.
+struct Lease {
+    engine: Option<Engine>,
+    engines: Arc<Engines>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl std::ops::Deref for Lease {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        self.engine.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Lease {
+    fn deref_mut(&mut self) -> &mut Engine {
+        self.engine.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Lease {
+    /// Back among the free engines before the permit (a field, dropped after this) lets the next
+    /// request look for one.
+    fn drop(&mut self) {
+        if let Some(engine) = self.engine.take() {
+            lock(&self.engines.free).push(engine);
+        }
+    }
 }
 
 /// An OpenAI-shaped error: `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
@@ -143,7 +194,8 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     // Check the model directory and device before taking the port.
-    let opts = args.load.options()?;
+    let mut opts = args.load.options()?;
+    opts.parallel = args.load.parallel_or(0);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("atlas-http")
@@ -171,17 +223,17 @@ async fn serve(args: &ServeArgs, opts: EngineOptions) -> Result<()> {
     });
     let (failed_tx, failed_rx) = oneshot::channel::<Error>();
     let loading = server.clone();
-    tokio::task::spawn_blocking(move || match crate::load_engine(&opts) {
-        Ok(engine) => {
-            let model = engine.model_name();
+    tokio::task::spawn_blocking(move || match crate::load_engine(&opts).and_then(|e| Ok((e.model_name(), e.frontend().clone(), e.split()?))) {
+        Ok((model, frontend, engines)) => {
+            let parallel = engines.len();
             let loaded = Loaded {
-                frontend: engine.frontend().clone(),
-                engine: Arc::new(tokio::sync::Mutex::new(engine)),
+                frontend,
+                engines: Engines::new(engines),
                 model: model.clone(),
                 created: unix_time(),
             };
             let _ = loading.loaded.set(loaded);
-            eprintln!("ready: model {model:?} at http://{local}/v1");
+            eprintln!("ready: model {model:?} at http://{local}/v1 ({parallel} at once)");
         }
         Err(e) => {
             let _ = failed_tx.send(e);
@@ -395,7 +447,7 @@ async fn completions(
         .await
         .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))??;
     // The queue: a client that leaves while waiting here drops this handler, and its place with it.
-    let engine = loaded.engine.clone().lock_owned().await;
+    let engine = loaded.engines.take().await?;
     if streaming {
         stream_completion(engine, endpoint, prepared, server.stream_timeout).await
     } else {
@@ -513,7 +565,7 @@ fn run_completion(
 /// generation's second event (a chat's first delta after the role chunk; a text completion's
 /// second piece) or its end, so that errors found before any token still get an HTTP status.
 async fn stream_completion(
-    engine: OwnedMutexGuard<Engine>,
+    engine: Lease,
     endpoint: Endpoint,
     prepared: Prepared,
     stall: Duration,
