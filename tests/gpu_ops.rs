@@ -1520,3 +1520,68 @@ fn a_step_of_a_few_tokens_gives_each_the_logits_of_single_steps() {
         }
     }
 }
+
+/// Several engines of one model on as many threads, their decode steps batched on the GPU: every
+/// request (greedy, sampled on the device, top-k) answers token for token as on a model of one
+/// slot, on the fixtures (dense, FP8, hybrid, hybrid MoE) and on real-sized bf16 and FP8 weights
+/// (Qwen3-0.6B's shape, random), where the decode kernels take several tokens per launch.
+#[test]
+fn batched_decoding_on_the_gpu_answers_as_alone() {
+    if gpu().is_none() {
+        return;
+    }
+    let request = |agent: usize, turn: usize| {
+        let sampling = match (agent + turn) % 3 {
+            0 => atlas::sampling::SamplingParams::default(),
+            1 => atlas::sampling::SamplingParams { temperature: 0.9, seed: Some(agent as u64 * 31 + turn as u64), ..Default::default() },
+            _ => atlas::sampling::SamplingParams { temperature: 0.7, top_k: 20, top_p: 0.9, seed: Some(7 + agent as u64), ..Default::default() },
+        };
+        let prompt: Vec<u32> = (0..(6 + 5 * agent + turn) as u32).map(|i| (i * 7 + agent as u32 * 13 + turn as u32 + 1) % 200 + 3).collect();
+        GenerateRequest { prompt, max_tokens: Some(40), sampling, stop: vec![], ignore_eos: true, grammar: None, logprobs: None }
+    };
+    let run = |engine: &mut Engine, agent: usize| -> Vec<Vec<u32>> {
+        (0..3).map(|turn| engine.generate_raw(&request(agent, turn)).unwrap().tokens).collect()
+    };
+    let agents = 6;
+    let cases: [(&str, Option<&str>); 6] = [
+        ("qwen3_untied_gqa", None),
+        ("qwen3_fp8", None),
+        ("qwen3_5_tiny", None),
+        ("qwen3_5_moe_tiny", None),
+        ("qwen3-0.6b", Some("bf16")),
+        ("qwen3-0.6b", Some("fp8")),
+    ];
+    for (name, synthetic) in cases {
+        let load = |parallel| {
+            let opts = EngineOptions { device: Device::Cuda, ctx_size: Some(256), parallel, ..EngineOptions::new(fixture(name)) };
+            match synthetic {
+                Some(format) => Engine::load_synthetic(name, format, &opts, &mut |_| {}).unwrap(),
+                None => Engine::load(&opts, &mut |_| {}).unwrap(),
+            }
+        };
+        let mut single = load(1);
+        let expected: Vec<Vec<Vec<u32>>> = (0..agents).map(|a| run(&mut single, a)).collect();
+        drop(single);
+        let engines = load(agents).split().unwrap();
+        let probe = engines.len();
+        assert_eq!(probe, agents);
+        let stats = std::thread::scope(|s| {
+            let threads: Vec<_> = engines
+                .into_iter()
+                .enumerate()
+                .map(|(agent, mut engine)| {
+                    let expected = &expected[agent];
+                    let run = &run;
+                    s.spawn(move || {
+                        let got = run(&mut engine, agent);
+                        assert_eq!(&got, expected, "{name} {synthetic:?}: agent {agent}");
+                        engine.batch_stats()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).last().unwrap()
+        });
+        println!("{name} {synthetic:?}: {stats:?}");
+        assert!(stats.widest >= 2 && stats.rows > stats.steps, "{name}: {stats:?}");
+    }
+}

@@ -27,9 +27,63 @@ pub const MAX_ROWS: usize = 8;
 /// catches the next step.
 const LINGER: Duration = Duration::from_millis(2);
 
+/// A mutex handed over in the order it was asked for. With std's mutex, which is not fair, a
+/// sequence stepping in a loop takes the model again before a waiting thread wakes, and other
+/// sequences' prefills starve until its whole answer is done.
+struct FairMutex<T> {
+    value: Mutex<T>,
+    /// The next ticket to give out, and the ticket whose turn it is.
+    turns: Mutex<(u64, u64)>,
+    next: Condvar,
+}
+
+struct FairGuard<'a, T> {
+    owner: &'a FairMutex<T>,
+    guard: Option<MutexGuard<'a, T>>,
+}
+
+impl<T> FairMutex<T> {
+    fn new(value: T) -> Self {
+        FairMutex { value: Mutex::new(value), turns: Mutex::new((0, 0)), next: Condvar::new() }
+    }
+
+    /// Waits for this caller's turn. A panic in an earlier holder leaves the value usable.
+    fn lock(&self) -> FairGuard<'_, T> {
+        let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+        let ticket = turns.0;
+        turns.0 += 1;
+        while turns.1 != ticket {
+            turns = self.next.wait(turns).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(turns);
+        FairGuard { owner: self, guard: Some(self.value.lock().unwrap_or_else(|p| p.into_inner())) }
+    }
+}
+
+impl<T> std::ops::Deref for FairGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl<T> std::ops::DerefMut for FairGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl<T> Drop for FairGuard<'_, T> {
+    fn drop(&mut self) {
+        self.guard = None;
+        self.owner.turns.lock().unwrap_or_else(|p| p.into_inner()).1 += 1;
+        self.owner.next.notify_all();
+    }
+}
+
 /// The model and the queue of decode steps that the slots share.
 pub(super) struct Shared {
-    model: Mutex<Box<dyn LanguageModel>>,
+    model: FairMutex<Box<dyn LanguageModel>>,
     queue: Mutex<Queue>,
     changed: Condvar,
     /// The slot whose token mask and logit adjustments are on the device (None: neither is).
@@ -61,7 +115,7 @@ pub struct BatchStats {
 impl Shared {
     pub(super) fn new(model: Box<dyn LanguageModel>) -> Arc<Self> {
         Arc::new(Shared {
-            model: Mutex::new(model),
+            model: FairMutex::new(model),
             queue: Mutex::new(Queue::default()),
             changed: Condvar::new(),
             device_state: Mutex::new(None),
@@ -69,9 +123,10 @@ impl Shared {
         })
     }
 
-    /// The model; a panic in an earlier step leaves it usable (each engine forgets its cache).
-    fn model(&self) -> MutexGuard<'_, Box<dyn LanguageModel>> {
-        self.model.lock().unwrap_or_else(|p| p.into_inner())
+    /// The model, in turn; a panic in an earlier step leaves it usable (each engine forgets its
+    /// cache).
+    fn model(&self) -> FairGuard<'_, Box<dyn LanguageModel>> {
+        self.model.lock()
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
@@ -202,7 +257,7 @@ impl SlotModel {
     }
 
     /// The model with this slot selected and its device state in place.
-    fn model(&mut self) -> Result<MutexGuard<'_, Box<dyn LanguageModel>>> {
+    fn model(&mut self) -> Result<FairGuard<'_, Box<dyn LanguageModel>>> {
         let mut model = self.shared.model();
         model.select(self.slot)?;
         let mut owner = self.shared.device_state.lock().unwrap_or_else(|p| p.into_inner());
@@ -402,6 +457,7 @@ mod tests {
                 }
             });
             let stats = stats.stats();
+            eprintln!("{name}: {stats:?}");
             assert!(stats.widest >= 2 && stats.widest <= MAX_ROWS, "{name}: {stats:?}");
             assert!(stats.rows > stats.steps, "{name}: {stats:?}");
         }

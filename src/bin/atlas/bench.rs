@@ -65,6 +65,32 @@ pub struct BenchArgs {
     generate: bool,
 }
 
+/// Decode tokens per second of `streams` greedy generations of `n` tokens run at once, one per
+/// engine, each after a prompt of `prompt_len` random tokens: all tokens over the time from the
+/// first decode step to the last answer.
+fn streams_rate(engines: &mut [Engine], prompts: Vec<Vec<u32>>, n: usize) -> Result<f64> {
+    let results: Vec<Result<(Instant, Instant, usize)>> = std::thread::scope(|s| {
+        let running: Vec<_> = engines
+            .iter_mut()
+            .zip(prompts)
+            .map(|(engine, prompt)| {
+                s.spawn(move || {
+                    let begin = Instant::now();
+                    let out = engine.generate_raw(&atlas::GenerateRequest { max_tokens: Some(n), ..one_token(prompt) })?;
+                    let decoding = begin + std::time::Duration::from_secs_f64(out.prompt_ms / 1e3);
+                    Ok((decoding, Instant::now(), out.tokens.len()))
+                })
+            })
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(Error::Device("a stream panicked".into())))).collect()
+    });
+    let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+    let first = results.iter().map(|r| r.0).min().ok_or_else(|| Error::InvalidArgument("no streams".into()))?;
+    let last = results.iter().map(|r| r.1).max().unwrap_or(first);
+    let tokens: usize = results.iter().map(|r| r.2).sum();
+    Ok(tokens as f64 / last.duration_since(first).as_secs_f64())
+}
+
 #[derive(Clone, Copy)]
 enum Test {
     Step(Step),
@@ -73,6 +99,8 @@ enum Test {
     Turn { after_other: bool },
     /// Greedy generation through the engine's generate.
     Generate,
+    /// That many generations at once, one per sequence slot (`--parallel`).
+    Streams,
 }
 
 /// Tests that drive the model step by step.
@@ -97,8 +125,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         + args.n_prompt.iter().chain(&args.n_gen).max().unwrap_or(&0)
         // A turn's answer token; the shortest prompt a generate test uses.
         + usize::from(args.turns)
-        + if args.generate { 64 } else { 0 };
-    let mut engine = match &args.synthetic {
+        + if args.generate || args.load.parallel_or(1) > 1 { 64 } else { 0 };
+    let engine = match &args.synthetic {
         Some(name) => {
             let mut opts = args.load.options_without_model()?;
             opts.ctx_size = Some(opts.ctx_size.unwrap_or(0).max(longest));
@@ -113,6 +141,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             crate::load_engine(&opts)?
         }
     };
+    // With --parallel N the tests run on the first slot's engine; "tg{n} xN" on all of them.
+    let mut engines = engine.split()?;
+    let streams = engines.len();
+    let mut engine = engines.remove(0);
     let vocab = engine.config().vocab_size as u64;
     let mut rng = Rng::new(1);
     let mut random_tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
@@ -150,6 +182,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             if args.generate {
                 tests.push((format!("tg{n}{at} generate"), d, n, Test::Generate));
             }
+            if streams > 1 {
+                tests.push((format!("tg{n}{at} x{streams}"), d, n, Test::Streams));
+            }
             if let Some(k) = args.verify.filter(|&k| k > 0) {
                 tests.push((format!("tg{n}{at} verify{k}"), d, n, Test::Step(Step::Verify(k))));
             }
@@ -164,6 +199,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 Test::Turn { after_other } => {
                     let (history, other, new) = (random_tokens(depth), random_tokens(depth), random_tokens(n - 1));
                     rates.push(n as f64 / follow_up_seconds(&mut engine, history, after_other.then_some(other), new)?);
+                    continue;
+                }
+                Test::Streams => {
+                    let prompts = (0..streams).map(|_| random_tokens(depth.max(64))).collect();
+                    let mut all: Vec<Engine> = Vec::with_capacity(streams);
+                    all.push(engine);
+                    all.append(&mut engines);
+                    let rate = streams_rate(&mut all, prompts, n);
+                    engine = all.remove(0);
+                    engines = all;
+                    rates.push(rate?);
                     continue;
                 }
                 Test::Generate => {

@@ -159,7 +159,8 @@ pub struct LoadArgs {
     /// Requests decoded at once, each with a cache of the whole context (allocated at the load):
     /// their decode steps run as one batched step, which reads the weights once for all of them.
     /// 0: as many as a quarter of the GPU memory free after the load holds, at most 8. Default: 0
-    /// for `serve`, 1 otherwise (and always 1 on the CPU unless given).
+    /// for `serve`, 1 otherwise (and always 1 on the CPU unless given). `bench` with N > 1 adds
+    /// "tg{n} xN": N greedy generations at once, all their decode tokens per second.
     #[arg(long, value_name = "N")]
     parallel: Option<usize>,
 }
