@@ -20,6 +20,10 @@
 // rsqrt(mean(x^2) + eps).
 #define GEMV_THREADS 256
 #define GEMV_ROWS 2
+// Outputs per warp of the several-token bf16 kernels (gemv1_bf16_tokens; gemv1_gate_up_bf16_tokens,
+// whose outputs take a gate and an up row each): every x value read serves that many weight rows,
+// and each weight chunk is widened to f32 once for every token.
+#define GEMV_TOKENS_ROWS 4
 
 // A bf16 weight row: load(c) fetches 16-byte chunk c (8 values), dot() multiplies it with the
 // chunk's x values.
@@ -31,6 +35,18 @@ struct Bf16Row {
              + __uint_as_float(q.y << 16) * xc[2] + __uint_as_float(q.y & 0xffff0000u) * xc[3]
              + __uint_as_float(q.z << 16) * xc[4] + __uint_as_float(q.z & 0xffff0000u) * xc[5]
              + __uint_as_float(q.w << 16) * xc[6] + __uint_as_float(q.w & 0xffff0000u) * xc[7];
+    }
+    // The chunk widened to f32 once, for several tokens' dot_wide: the same products and sums
+    // as dot, in the same order.
+    __device__ __forceinline__ void widen(uint4 q, float (&w)[8]) const {
+        w[0] = __uint_as_float(q.x << 16), w[1] = __uint_as_float(q.x & 0xffff0000u);
+        w[2] = __uint_as_float(q.y << 16), w[3] = __uint_as_float(q.y & 0xffff0000u);
+        w[4] = __uint_as_float(q.z << 16), w[5] = __uint_as_float(q.z & 0xffff0000u);
+        w[6] = __uint_as_float(q.w << 16), w[7] = __uint_as_float(q.w & 0xffff0000u);
+    }
+    static __device__ __forceinline__ float dot_wide(const float (&w)[8], const float* xc) {
+        return w[0] * xc[0] + w[1] * xc[1] + w[2] * xc[2] + w[3] * xc[3] + w[4] * xc[4] + w[5] * xc[5]
+             + w[6] * xc[6] + w[7] * xc[7];
     }
 };
 __device__ __forceinline__ Bf16Row bf16_row(const bf16* w, int n, int K) { return Bf16Row{(const uint4*)(w + (long)n * K)}; }
@@ -104,13 +120,31 @@ struct GemvStage {
     __device__ __forceinline__ void consume(const Bf16Row* rows, int c, int chunks, const float* x, int K, int tokens,
                                             float (&acc)[ROWS][TOKENS]) const {
         if (c >= chunks) return;
-#pragma unroll
-        for (int n = 0; n < TOKENS; n++) {
-            if (n >= tokens) break;
-            const float4 lo = ((const float4*)(x + (long)n * K))[2 * c], hi = ((const float4*)(x + (long)n * K))[2 * c + 1];
+        if constexpr (TOKENS == 1) {
+            const float4 lo = ((const float4*)x)[2 * c], hi = ((const float4*)x)[2 * c + 1];
             const float xc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) acc[r][n] += rows[r].dot(p[r], xc);
+            for (int r = 0; r < ROWS; r++) acc[r][0] += rows[r].dot(p[r], xc);
+        } else {
+            // Every token's chunk of x in registers, then each weight chunk widened once.
+            float xc[TOKENS][8];
+#pragma unroll
+            for (int n = 0; n < TOKENS; n++) {
+                if (n >= tokens) break;
+                const float4 lo = ((const float4*)(x + (long)n * K))[2 * c], hi = ((const float4*)(x + (long)n * K))[2 * c + 1];
+                xc[n][0] = lo.x, xc[n][1] = lo.y, xc[n][2] = lo.z, xc[n][3] = lo.w;
+                xc[n][4] = hi.x, xc[n][5] = hi.y, xc[n][6] = hi.z, xc[n][7] = hi.w;
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                float w[8];
+                rows[r].widen(p[r], w);
+#pragma unroll
+                for (int n = 0; n < TOKENS; n++) {
+                    if (n >= tokens) break;
+                    acc[r][n] += Bf16Row::dot_wide(w, xc[n]);
+                }
+            }
         }
     }
 };
@@ -161,27 +195,27 @@ __device__ __forceinline__ T gemv1_pick(int seg, T a, T b, T c, T d) {
 // four inputs): rows [0, n0) go to y0, the next n1 to y1, and so on. `residual` (may be y0) is
 // added to segment 0. K % 8 == 0. The scale arguments are unused (same signature as gemv1_fp8).
 // For `tokens` (<= TOKENS) rows of x [tokens, K]: y0..y3 and the residual are [tokens, n_i].
-template <int TOKENS>
+template <int ROWS, int TOKENS>
 __device__ __forceinline__ void gemv1_bf16_rows(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3,
                                                 const float* b0, const float* b1, const float* b2, const float* b3,
                                                 float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
                                                 int n3, const float* x, const float* norm_w, float eps,
                                                 const float* residual, int K, int tokens) {
-    const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
+    const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * ROWS;
     const int total = n0 + n1 + n2 + n3;
-    Bf16Row rows[GEMV_ROWS];
-    int seg[GEMV_ROWS], n[GEMV_ROWS];
+    Bf16Row rows[ROWS];
+    int seg[ROWS], n[ROWS];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
+    for (int r = 0; r < ROWS; r++) {
         // Rows past the end read row 0 and are not written.
         gemv1_segment(first + r < total ? first + r : 0, n0, n1, n2, seg[r], n[r]);
         rows[r] = bf16_row(gemv1_pick(seg[r], w0, w1, w2, w3), n[r], K);
     }
-    float acc[GEMV_ROWS][TOKENS] = {};
-    gemv_rows_dot<GEMV_ROWS, TOKENS>(rows, first < total, x, norm_w, eps, K, tokens, acc);
+    float acc[ROWS][TOKENS] = {};
+    gemv_rows_dot<ROWS, TOKENS>(rows, first < total, x, norm_w, eps, K, tokens, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
+    for (int r = 0; r < ROWS; r++) {
         if (first + r >= total) continue;
         const float* bias = gemv1_pick(seg[r], b0, b1, b2, b3);
         float* y = gemv1_pick(seg[r], y0, y1, y2, y3);
@@ -203,7 +237,8 @@ ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, con
                              const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0,
                              int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
                              const float* residual, int K) {
-    gemv1_bf16_rows<1>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K, 1);
+    gemv1_bf16_rows<GEMV_ROWS, 1>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual,
+                                  K, 1);
 }
 
 ATLAS_KERNEL void gemv1_bf16_tokens(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
@@ -211,30 +246,30 @@ ATLAS_KERNEL void gemv1_bf16_tokens(const bf16* w0, const bf16* w1, const bf16* 
                                     const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3,
                                     int n0, int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
                                     const float* residual, int K, int tokens) {
-    gemv1_bf16_rows<GEMV1_TOKENS>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
-                                  residual, K, tokens);
+    gemv1_bf16_rows<GEMV_TOKENS_ROWS, GEMV1_TOKENS>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x,
+                                                    norm_w, eps, residual, K, tokens);
 }
 
-// The gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]), GEMV_ROWS values of
-// n per warp (so 2 * GEMV_ROWS weight rows), for `tokens` rows of x (out [tokens, N]). K % 8 == 0;
-// sg, su unused (as gemv1_gate_up_fp8's).
-template <int TOKENS>
+// The gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]), ROWS values of n
+// per warp (so 2 * ROWS weight rows), for `tokens` rows of x (out [tokens, N]). K % 8 == 0; sg, su
+// unused (as gemv1_gate_up_fp8's).
+template <int ROWS, int TOKENS>
 __device__ __forceinline__ void gemv1_gate_up_bf16_rows(const bf16* g, const bf16* u, const float* gate_bias,
                                                         const float* up_bias, const float* x, const float* norm_w,
                                                         float eps, float* out, int N, int K, int tokens) {
-    const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * GEMV_ROWS;
-    Bf16Row rows[2 * GEMV_ROWS];
+    const int first = (blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * ROWS;
+    Bf16Row rows[2 * ROWS];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
+    for (int r = 0; r < ROWS; r++) {
         const int n = first + r < N ? first + r : 0;
         rows[2 * r] = bf16_row(g, n, K);
         rows[2 * r + 1] = bf16_row(u, n, K);
     }
-    float acc[2 * GEMV_ROWS][TOKENS] = {};
-    gemv_rows_dot<2 * GEMV_ROWS, TOKENS>(rows, first < N, x, norm_w, eps, K, tokens, acc);
+    float acc[2 * ROWS][TOKENS] = {};
+    gemv_rows_dot<2 * ROWS, TOKENS>(rows, first < N, x, norm_w, eps, K, tokens, acc);
     if (threadIdx.x % WARP_SIZE != 0) return;
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
+    for (int r = 0; r < ROWS; r++) {
         const int n = first + r;
         if (n >= N) continue;
 #pragma unroll
@@ -250,13 +285,13 @@ __device__ __forceinline__ void gemv1_gate_up_bf16_rows(const bf16* g, const bf1
 ATLAS_KERNEL void gemv1_gate_up_bf16(const bf16* g, const bf16* u, const float* sg, const float* su,
                                      const float* gate_bias, const float* up_bias, const float* x,
                                      const float* norm_w, float eps, float* out, int N, int K) {
-    gemv1_gate_up_bf16_rows<1>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+    gemv1_gate_up_bf16_rows<GEMV_ROWS, 1>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
 }
 
 ATLAS_KERNEL void gemv1_gate_up_bf16_tokens(const bf16* g, const bf16* u, const float* sg, const float* su,
                                             const float* gate_bias, const float* up_bias, const float* x,
                                             const float* norm_w, float eps, float* out, int N, int K, int tokens) {
-    gemv1_gate_up_bf16_rows<GEMV1_TOKENS>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
+    gemv1_gate_up_bf16_rows<GEMV_TOKENS_ROWS, GEMV1_TOKENS>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
 }
 
 // FP8 block-scaled weights (common/fp8.h) on matrix cores (fp8_rows_mma): a block takes 16 output

@@ -149,11 +149,13 @@ impl GpuWeight {
     /// whole 256-column steps (pk_rows_dot).
     /// Grid, block and dynamic shared memory of the one-token kernels for `rows` output rows and
     /// `tokens` rows of input (more than one: FP8 only, see `gemv1_fits`).
-    fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
+    /// `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
+    fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, several: bool, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
                 let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
-                ([blocks(rows, GEMV_ROWS * GEMV_THREADS / warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
+                let per_warp = if several { GEMV_TOKENS_ROWS } else { GEMV_ROWS };
+                ([blocks(rows, per_warp * GEMV_THREADS / warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
             WeightFormat::Fp8 { .. } => {
                 let shared = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
@@ -177,7 +179,7 @@ impl GpuWeight {
                 (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 8 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0
             }
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0,
-            WeightFormat::Packed(_) => tokens == 1 && self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
+            WeightFormat::Packed(_) => tokens == 1 && self.gemv1_launch(1, normed, 1, false, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
         }
     }
 
@@ -189,16 +191,16 @@ impl GpuWeight {
         match self.format {
             // The same bound for one token as for several: an input takes the same kernels
             // alone as beside others.
-            WeightFormat::Bf16 if tokens == 1 => usize::from(self.gemv1_launch(1, normed, 1, 32).2 + GEMV_STATIC_SHARED <= max_shared),
+            WeightFormat::Bf16 if tokens == 1 => usize::from(self.gemv1_launch(1, normed, 1, false, 32).2 + GEMV_STATIC_SHARED <= max_shared),
             WeightFormat::Bf16 => (1..=GEMV1_TOKENS)
-                .take_while(|&t| self.gemv1_launch(1, normed, t, 32).2 + GEMV_STATIC_SHARED <= max_shared)
+                .take_while(|&t| self.gemv1_launch(1, normed, t, true, 32).2 + GEMV_STATIC_SHARED <= max_shared)
                 .last()
                 .unwrap_or(0),
             WeightFormat::Fp8 { .. } if tokens == 1 => {
-                usize::from(self.gemv1_launch(1, normed, 1, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared)
+                usize::from(self.gemv1_launch(1, normed, 1, false, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared)
             }
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS)
-                .take_while(|&t| self.gemv1_launch(1, normed, t, 32).2 + FP8_GEMV1_STATIC_SHARED <= max_shared)
+                .take_while(|&t| self.gemv1_launch(1, normed, t, true, 32).2 + FP8_GEMV1_STATIC_SHARED <= max_shared)
                 .last()
                 .unwrap_or(0),
             _ => 1,
@@ -267,6 +269,8 @@ const GEMV1_SEGMENTS: usize = 4;
 /// Launch shapes fixed by the kernels (their #defines).
 const GEMV_THREADS: u32 = 256;
 const GEMV_ROWS: u32 = 2;
+/// Outputs per warp of the several-token bf16 kernels (GEMV_TOKENS_ROWS).
+const GEMV_TOKENS_ROWS: u32 = 4;
 const GEMM_BM: usize = 128;
 const GEMM_BN: usize = 128;
 const GEMM_THREADS: u32 = 256;
@@ -464,7 +468,7 @@ impl GpuBackend {
             // which gives it the same bits.
             let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows);
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, self.rt.warp_size());
+            let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, x.rows > 1, self.rt.warp_size());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(())
@@ -1172,7 +1176,7 @@ impl Backend for GpuBackend {
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
             let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
-            let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, self.rt.warp_size());
+            let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, x.rows > 1, self.rt.warp_size());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(out)
