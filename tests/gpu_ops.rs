@@ -1523,8 +1523,9 @@ fn a_step_of_a_few_tokens_gives_each_the_logits_of_single_steps() {
 
 /// Several engines of one model on as many threads, their decode steps batched on the GPU: every
 /// request (greedy, sampled on the device, top-k) answers token for token as on a model of one
-/// slot, on the fixtures (dense, FP8, hybrid, hybrid MoE) and on real-sized bf16 and FP8 weights
-/// (Qwen3-0.6B's shape, random), where the decode kernels take several tokens per launch.
+/// slot, on the fixtures (dense, FP8, hybrid, hybrid MoE, a Q8_0 GGUF) and on real-sized bf16,
+/// FP8 and Q4_K weights (Qwen3-0.6B's shape, random), where the decode kernels take several
+/// tokens per launch (packed formats: one launch per token).
 #[test]
 fn batched_decoding_on_the_gpu_answers_as_alone() {
     if gpu().is_none() {
@@ -1543,13 +1544,15 @@ fn batched_decoding_on_the_gpu_answers_as_alone() {
         (0..3).map(|turn| engine.generate_raw(&request(agent, turn)).unwrap().tokens).collect()
     };
     let agents = 6;
-    let cases: [(&str, Option<&str>); 6] = [
+    let cases: [(&str, Option<&str>); 8] = [
         ("qwen3_untied_gqa", None),
         ("qwen3_fp8", None),
         ("qwen3_5_tiny", None),
         ("qwen3_5_moe_tiny", None),
+        ("qwen3_5_moe_tiny.q8_0.gguf", None),
         ("qwen3-0.6b", Some("bf16")),
         ("qwen3-0.6b", Some("fp8")),
+        ("qwen3-0.6b", Some("q4_k")),
     ];
     for (name, synthetic) in cases {
         let load = |parallel| {

@@ -428,17 +428,20 @@ pub trait Backend: Send + Sync {
     }
 
     /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
-    /// backend supports it. `replay_decode` queues the recorded step for (token, pos) and returns
-    /// true, or false when nothing is recorded; `recorded_output` then hands back its output.
-    fn replay_decode(&self, _token: u32, _pos: usize, _want: StepOutput) -> Result<bool> {
+    /// backend supports it, one recording per `key` (a sequence slot: each points at its own
+    /// caches). `replay_decode` queues the step recorded under `key` for (token, pos) and returns
+    /// true, or false when none is; `recorded_output` then hands back its output.
+    fn replay_decode(&self, _key: usize, _token: u32, _pos: usize, _want: StepOutput) -> Result<bool> {
         Ok(false)
     }
 
-    /// Queues `step` (the model's decode step, returning `[1, vocab]` logits) while recording it,
-    /// with token and position read from device memory so the recording fits every later step.
-    /// Returns false, without running `step`, where recording is not supported.
+    /// Queues `step` (the model's decode step, returning `[1, vocab]` logits) while recording it
+    /// under `key` (replacing that key's recording, keeping the others'), with token and position
+    /// read from device memory so the recording fits every later step. Returns false, without
+    /// running `step`, where recording is not supported.
     fn record_decode(
         &self,
+        _key: usize,
         _token: u32,
         _pos: usize,
         _vocab: usize,

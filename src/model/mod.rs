@@ -292,8 +292,43 @@ pub struct Bound<B: Backend> {
     passes: usize,
     /// False once the backend failed to record a decode step: later steps run without a graph.
     recordable: bool,
-    /// The slot whose caches the recorded decode step points at.
-    recorded_slot: Option<usize>,
+    costs: StepCosts,
+}
+
+/// Seconds per token of recent batched decode steps and of recent single ones, as running
+/// averages. Where a batch costs more per token than single steps do (weights whose kernels take
+/// one token at a time gain nothing from a batch, and single steps replay a recorded graph), its
+/// rows run as single steps, with the same results, once `MEASURED_BATCHES` batches have been
+/// timed; every `RETRY_BATCH`-th batch is run as one again, in case that changed.
+#[derive(Default)]
+struct StepCosts {
+    batched: Option<f64>,
+    single: Option<f64>,
+    /// Batched steps timed.
+    batches: u32,
+    /// Batches run as single steps since the last batched step.
+    unbatched: u32,
+}
+
+const MEASURED_BATCHES: u32 = 8;
+const RETRY_BATCH: u32 = 64;
+
+impl StepCosts {
+    fn note(average: &mut Option<f64>, seconds_per_token: f64) {
+        *average = Some(average.map_or(seconds_per_token, |a| 0.8 * a + 0.2 * seconds_per_token));
+    }
+
+    /// Whether the next batch runs as single steps.
+    fn unbatch(&mut self) -> bool {
+        let measured = self.batches >= MEASURED_BATCHES;
+        let cheaper_alone = measured && matches!((self.batched, self.single), (Some(b), Some(s)) if b > s);
+        if cheaper_alone && self.unbatched < RETRY_BATCH {
+            self.unbatched += 1;
+            return true;
+        }
+        self.unbatched = 0;
+        false
+    }
 }
 
 impl<B: Backend + 'static> Bound<B> {
@@ -308,7 +343,7 @@ impl<B: Backend + 'static> Bound<B> {
         let cache = model.new_cache(&backend, ctx_size)?;
         let recurrent = cache.iter().any(|c| matches!(c, LayerCache::Recurrent { .. }));
         let slots = vec![Slot { cache, recurrent_at: Some(0) }];
-        Ok(Bound { backend, model, slots, current: 0, recurrent, ctx_size, passes: 0, recordable: true, recorded_slot: None })
+        Ok(Bound { backend, model, slots, current: 0, recurrent, ctx_size, passes: 0, recordable: true, costs: StepCosts::default() })
     }
 
     /// The checks every step makes of one sequence's tokens before they reach a backend.
@@ -339,9 +374,6 @@ impl<B: Backend + 'static> Bound<B> {
         let at = self.slots[slot].recurrent_at;
         if start_pos == 0 && at != Some(0) {
             self.slots[slot].cache = self.model.new_cache(&self.backend, self.ctx_size)?;
-            if self.recorded_slot == Some(slot) {
-                self.recorded_slot = None;
-            }
         } else if at != Some(start_pos) {
             return Err(Error::InvalidArgument(format!(
                 "a step at position {start_pos}, but the recurrent layers' state is {}",
@@ -366,7 +398,11 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         self.check_step(tokens, start_pos)?;
         self.prepare_recurrent(self.current, start_pos)?;
         let end = start_pos + tokens.len();
+        let began = std::time::Instant::now();
         let out = self.run_step(tokens, start_pos, want, meanwhile)?;
+        if tokens.len() == 1 {
+            StepCosts::note(&mut self.costs.single, began.elapsed().as_secs_f64());
+        }
         self.slots[self.current].recurrent_at = Some(end);
         Ok(out)
     }
@@ -478,10 +514,15 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
     }
 
     fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
-        if let [row] = rows {
-            self.select(row.slot)?;
-            return Ok(vec![self.step(&[row.token], row.pos, row.want)?]);
+        if rows.len() == 1 || self.costs.unbatch() {
+            let mut out = Vec::with_capacity(rows.len());
+            for row in rows {
+                self.select(row.slot)?;
+                out.push(self.step(&[row.token], row.pos, row.want)?);
+            }
+            return Ok(out);
         }
+        let began = std::time::Instant::now();
         let mut taken = vec![false; self.slots.len()];
         for row in rows {
             if row.slot >= taken.len() || std::mem::replace(&mut taken[row.slot], true) {
@@ -515,6 +556,8 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         for row in rows {
             self.slots[row.slot].recurrent_at = Some(row.pos + 1);
         }
+        StepCosts::note(&mut self.costs.batched, began.elapsed().as_secs_f64() / rows.len() as f64);
+        self.costs.batches = self.costs.batches.saturating_add(1);
         Ok(out)
     }
 }
@@ -529,20 +572,15 @@ impl<B: Backend + 'static> Bound<B> {
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable && !every_row) {
             let (b, model) = (&self.backend, &self.model);
             let mut seqs = [Seq { start_pos, len: 1, cache: &mut self.slots[current].cache }];
-            // A recording points at one slot's caches: another slot records anew.
-            let replayed = self.recorded_slot == Some(current) && b.replay_decode(*token, start_pos, want)?;
-            let queued = replayed || {
+            // Each slot has its own recording: it points at that slot's caches.
+            let queued = b.replay_decode(current, *token, start_pos, want)? || {
                 let mut step = || model.forward(b, tokens, &mut seqs, LogitRows::Last);
-                match b.record_decode(*token, start_pos, vocab, want, &mut step) {
-                    Ok(recorded) => {
-                        self.recorded_slot = recorded.then_some(current);
-                        recorded
-                    }
+                match b.record_decode(current, *token, start_pos, vocab, want, &mut step) {
+                    Ok(recorded) => recorded,
                     // The driver could not record this step (nothing ran): run it, and the
                     // later ones, without a graph. Errors of the request itself are returned.
                     Err(Error::Device(_) | Error::Unsupported(_)) => {
                         self.recordable = false;
-                        self.recorded_slot = None;
                         false
                     }
                     Err(e) => return Err(e),

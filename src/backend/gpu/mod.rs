@@ -170,16 +170,19 @@ impl GpuWeight {
 
     /// Whether the one-token kernels take `tokens` rows of input: whole 16-byte chunks per row
     /// (whole runs for packed formats, which every packed matrix has), and a staged input that fits
-    /// the shared memory (`max_shared` bytes per block). The FP8 ones take up to GEMV1_TOKENS
-    /// tokens, each with the bits it gets alone (kernels/linear.hip, fp8_rows_dot), in launches of
-    /// `gemv1_group` tokens; the others one.
+    /// the shared memory (`max_shared` bytes per block). The bf16 and FP8 ones take up to
+    /// GEMV1_TOKENS tokens, each with the bits it gets alone (kernels/linear.hip), in launches of
+    /// `gemv1_group` tokens; packed formats as many, one launch per token.
     fn gemv1_fits(&self, normed: bool, max_shared: u32, tokens: usize) -> bool {
         match self.format {
             WeightFormat::Bf16 => {
                 (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 8 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0
             }
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0,
-            WeightFormat::Packed(_) => tokens == 1 && self.gemv1_launch(1, normed, 1, false, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared,
+            // Several tokens take the one-token kernel one by one: each gets its single-step bits.
+            WeightFormat::Packed(_) => {
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, normed, 1, false, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared
+            }
         }
     }
 
@@ -241,23 +244,32 @@ pub struct GpuBackend {
     logit_adjust: Mutex<Option<(DeviceBuffer, usize)>>,
 }
 
-/// The recorded decode step. While recording, ops read the token and position from `inputs`
+/// The recorded decode steps. While recording, ops read the token and position from `inputs`
 /// (device [token, pos]) instead of taking them as launch arguments, and attention covers the
 /// whole cache, so one recording serves every later step.
 struct DecodeGraph {
     recording: bool,
     /// Device [token, pos, argmax limit].
     inputs: Option<DeviceBuffer>,
-    logits: Option<GpuTensor>,
-    /// The recorded step's argmax.
-    token: Option<DeviceBuffer>,
-    exec: Option<u64>,
+    /// One recording per key (a sequence slot of the model: each points at its own caches).
+    graphs: Vec<Option<Recorded>>,
+    /// The key whose step ran last: `recorded_output` reads its outputs.
+    last: usize,
     /// Temporaries of the recorded step come from this arena, so the graph holds kernels only,
     /// no allocation nodes. Too small an arena still records (with allocation nodes) and is
     /// resized for the next recording.
     arena: Option<DeviceBuffer>,
     arena_size: usize,
     arena_used: usize,
+}
+
+/// One recorded step and where it leaves its outputs.
+struct Recorded {
+    /// None once the arena it used was replaced (it is recorded again at its next step).
+    exec: Option<u64>,
+    logits: GpuTensor,
+    /// The step's argmax.
+    token: DeviceBuffer,
 }
 
 const INITIAL_ARENA: usize = 64 << 20;
@@ -373,9 +385,8 @@ impl GpuBackend {
         let decode = DecodeGraph {
             recording: false,
             inputs: None,
-            logits: None,
-            token: None,
-            exec: None,
+            graphs: Vec::new(),
+            last: 0,
             arena: None,
             arena_size: INITIAL_ARENA,
             arena_used: 0,
@@ -646,8 +657,8 @@ impl GpuBackend {
 
     /// What the last run of the recorded step left: its logits or its argmax.
     fn forget_recording(&self) {
-        let mut d = self.decode_state();
-        if let Some(exec) = d.exec.take() {
+        let graphs = std::mem::take(&mut self.decode_state().graphs);
+        for exec in graphs.into_iter().flatten().filter_map(|g| g.exec) {
             self.rt.destroy_graph(exec);
         }
     }
@@ -1455,8 +1466,15 @@ impl Backend for GpuBackend {
         self.launch_draw(x, limit, temperature, u)
     }
 
-    fn replay_decode(&self, token: u32, pos: usize, want: StepOutput) -> Result<bool> {
-        let exec = self.decode_state().exec;
+    fn replay_decode(&self, key: usize, token: u32, pos: usize, want: StepOutput) -> Result<bool> {
+        let exec = {
+            let mut d = self.decode_state();
+            let exec = d.graphs.get(key).and_then(|g| g.as_ref()?.exec);
+            if exec.is_some() {
+                d.last = key;
+            }
+            exec
+        };
         let Some(exec) = exec else { return Ok(false) };
         self.set_inputs(token, pos, want)?;
         self.rt.launch_graph(exec)?;
@@ -1465,40 +1483,40 @@ impl Backend for GpuBackend {
 
     fn recorded_output(&self, want: StepOutput, mask_changed: bool) -> Result<StepResult> {
         let d = self.decode_state();
-        let missing = || Error::Device("no recorded decode step".into());
+        let g = d.graphs.get(d.last).and_then(Option::as_ref).ok_or_else(|| Error::Device("no recorded decode step".into()))?;
         match want {
-            StepOutput::Logits => Ok(StepResult::Logits(self.to_host(d.logits.as_ref().ok_or_else(missing)?)?)),
+            StepOutput::Logits => Ok(StepResult::Logits(self.to_host(&g.logits)?)),
             StepOutput::AllLogits | StepOutput::ArgmaxEach { .. } => Err(Error::Unsupported("every position's output from a recorded step".into())),
             StepOutput::Argmax { limit } => {
-                let token = d.token.as_ref().ok_or_else(missing)?;
                 if mask_changed {
                     // The recording chose under the previous mask: choose again (the logits adjusted already).
-                    self.launch_argmax(d.logits.as_ref().ok_or_else(missing)?, limit, 0, token.ptr)?;
+                    self.launch_argmax(&g.logits, limit, 0, g.token.ptr)?;
                 }
-                Ok(StepResult::Token(self.download_token(token.ptr)?))
+                Ok(StepResult::Token(self.download_token(g.token.ptr)?))
             }
             // Drawn after the replay, from the recorded step's logits (adjusted there).
-            StepOutput::Draw { limit, temperature, u } => {
-                Ok(StepResult::Token(self.launch_draw(d.logits.as_ref().ok_or_else(missing)?, limit, temperature, u)?))
-            }
+            StepOutput::Draw { limit, temperature, u } => Ok(StepResult::Token(self.launch_draw(&g.logits, limit, temperature, u)?)),
             // Selected after the replay, from the recorded step's logits (adjusted there).
             StepOutput::TopK { k, limit, temperature, cut } => {
-                let logits = d.logits.as_ref().ok_or_else(missing)?;
-                let best = self.select_top_k(logits, k, limit)?;
-                super::candidates_result(self, logits, best, limit, temperature, cut)
+                let best = self.select_top_k(&g.logits, k, limit)?;
+                super::candidates_result(self, &g.logits, best, limit, temperature, cut)
             }
         }
     }
 
     fn record_decode(
         &self,
+        key: usize,
         token: u32,
         pos: usize,
         vocab: usize,
         want: StepOutput,
         step: &mut dyn FnMut() -> Result<GpuTensor>,
     ) -> Result<bool> {
-        self.forget_recording();
+        let old = self.decode_state().graphs.get_mut(key).and_then(Option::take).and_then(|g| g.exec);
+        if let Some(exec) = old {
+            self.rt.destroy_graph(exec);
+        }
         // The outputs live outside the graph: it ends by copying the logits there and by taking
         // their argmax, so a replay hands back either.
         let logits_bytes = byte_size("decode logits", &[vocab, 4])?;
@@ -1529,15 +1547,21 @@ impl Backend for GpuBackend {
             return Err(e);
         }
         let mut d = self.decode_state();
-        d.logits = Some(logits);
-        d.token = Some(token_out);
+        if d.graphs.len() <= key {
+            d.graphs.resize_with(key + 1, || None);
+        }
+        d.graphs[key] = Some(Recorded { exec: Some(exec), logits, token: token_out });
+        d.last = key;
         if d.arena_used > d.arena_size {
-            // Record again next step, with room for every temporary.
+            // Record again at the next steps, with room for every temporary: every recording
+            // points into the old arena.
             d.arena_size = d.arena_used.saturating_add(d.arena_used / 4);
             d.arena = None;
-            self.rt.destroy_graph(exec);
-        } else {
-            d.exec = Some(exec);
+            let stale: Vec<u64> = d.graphs.iter_mut().flatten().filter_map(|g| g.exec.take()).collect();
+            drop(d);
+            for exec in stale {
+                self.rt.destroy_graph(exec);
+            }
         }
         Ok(true)
     }
