@@ -8,10 +8,11 @@
  * dereferences. Once atlas_unload() has begun, calls with that handle fail with
  * ATLAS_STATUS_INVALID_ARGUMENT ("not loaded"); a handle is never reused for another model.
  *
- * Threads: any thread may call any function. Requests on one model use it one at a time, in
- * arrival order (the order in which atlas_chat_completion was entered); a request parses,
- * renders and tokenizes its prompt while it waits, so an oversized or invalid one fails without
- * waiting. atlas_unload() waits for every call on the model that entered before it (running
+ * Threads: any thread may call any function. Up to the load option `parallel` requests run on
+ * one model at once (their decode steps batched; each answers as it would alone); the others
+ * get their turn in arrival order (the order in which atlas_chat_completion was entered); a
+ * request parses, renders and tokenizes its prompt while it waits, so an oversized or invalid
+ * one fails without waiting. atlas_unload() waits for every call on the model that entered before it (running
  * and queued requests), then frees the model.
  *
  * Re-entrancy: on_chunk runs on the calling thread while the request holds the model. From

@@ -418,6 +418,15 @@ mod tests {
         }
     }
 
+    /// More slots than a model takes is a clear error at load.
+    #[test]
+    fn too_many_slots_is_an_error_at_load() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/qwen3_moe_tiny");
+        let opts = EngineOptions { device: Device::Cpu, parallel: 100_000, ..EngineOptions::new(dir) };
+        let err = Engine::load(&opts, &mut |_| {}).err().expect("refused");
+        assert!(err.to_string().contains("parallel 100000: at most 64"), "{err}");
+    }
+
     fn request(agent: usize, turn: usize) -> GenerateRequest {
         // Greedy, seeded temperature, top-k/top-p, and biased requests mixed.
         let sampling = match (agent + turn) % 4 {

@@ -73,6 +73,9 @@ pub struct EngineOptions {
     pub parallel: usize,
 }
 
+/// The most sequence slots a model takes (`EngineOptions::parallel`).
+pub const MAX_PARALLEL: usize = 64;
+
 /// The prefix cache's budget where the model runs in host memory.
 pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
@@ -202,6 +205,9 @@ impl Engine {
         let mut model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
         let parallel = match opts.parallel {
             0 => default_parallel(model.as_ref(), ctx_size),
+            n if n > MAX_PARALLEL => {
+                return Err(Error::InvalidArgument(format!("parallel {n}: at most {MAX_PARALLEL} sequences at once")));
+            }
             n => n,
         };
         model.set_slots(parallel)?;
