@@ -23,7 +23,7 @@ use crate::gguf::GgufStore;
 use crate::grammar::{GrammarSpec, GrammarVocab};
 use crate::model::safetensors::SafetensorsStore;
 use crate::model::synthetic::SyntheticSource;
-use crate::model::{required_capabilities, Bound, GenerationDefaults, LanguageModel, LoadProgress, Meanwhile, ModelConfig, SavedCache, WeightSource};
+use crate::model::{required_capabilities, BatchRow, Bound, GenerationDefaults, LanguageModel, LoadProgress, Meanwhile, ModelConfig, SavedCache, WeightSource};
 use crate::sampling::{Adjustment, DeviceChoice, Sampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
@@ -974,6 +974,18 @@ impl LanguageModel for Noted {
     }
     fn free_memory(&self) -> Option<usize> {
         self.inner.free_memory()
+    }
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+    fn set_slots(&mut self, n: usize) -> Result<()> {
+        self.inner.set_slots(n)
+    }
+    fn select(&mut self, slot: usize) -> Result<()> {
+        self.inner.select(slot)
+    }
+    fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
+        self.inner.step_batch(rows)
     }
 }
 
