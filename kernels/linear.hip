@@ -865,6 +865,8 @@ __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, con
 PK_GEMV_KERNELS(q8_0, PK_Q8_0)
 PK_GEMV_KERNELS(q4_0, PK_Q4_0)
 PK_GEMV_KERNELS(q4_1, PK_Q4_1)
+PK_GEMV_KERNELS(q5_0, PK_Q5_0)
+PK_GEMV_KERNELS(q5_1, PK_Q5_1)
 PK_GEMV_KERNELS(q4_k, PK_Q4_K)
 PK_GEMV_KERNELS(q5_k, PK_Q5_K)
 PK_GEMV_KERNELS(q6_k, PK_Q6_K)

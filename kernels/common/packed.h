@@ -21,17 +21,19 @@
 #define PK_NVFP4 9
 #define PK_ROCMFP4 10
 #define PK_ROCMFP4_FAST 11
+#define PK_Q5_0 12
+#define PK_Q5_1 13
 
 // High bits per value; runs and bytes per meta group; whether levels come from a table.
 template <int F> struct PkTraits {
-    static constexpr int HB = F == PK_Q8_0 ? 4 : F == PK_Q6_K ? 2 : F == PK_Q5_K ? 1 : 0;
+    static constexpr int HB = F == PK_Q8_0 ? 4 : F == PK_Q6_K ? 2 : (F == PK_Q5_K || F == PK_Q5_0 || F == PK_Q5_1) ? 1 : 0;
     static constexpr int MRUNS = (F == PK_Q4_K || F == PK_Q5_K || F == PK_Q6_K || F == PK_IQ4_XS) ? 8 : 1;
     static constexpr int MBYTES = (F == PK_Q4_K || F == PK_Q5_K) ? 16 : F == PK_Q6_K ? 18 : F == PK_IQ4_XS ? 8
-                                  : F == PK_Q4_1 ? 4 : (F == PK_MXFP4 || F == PK_ROCMFP4_FAST) ? 1 : 2;
+                                  : (F == PK_Q4_1 || F == PK_Q5_1) ? 4 : (F == PK_MXFP4 || F == PK_ROCMFP4_FAST) ? 1 : 2;
     static constexpr bool TABLE = F == PK_IQ4_NL || F == PK_IQ4_XS || F == PK_MXFP4 || F == PK_NVFP4 ||
                                   F == PK_ROCMFP4 || F == PK_ROCMFP4_FAST;
     // Added to a code to make its biased level (linear formats): 128 minus the zero point.
-    static constexpr unsigned int BIAS = F == PK_Q8_0 ? 0 : F == PK_Q4_0 ? 120 : F == PK_Q6_K ? 96 : 128;
+    static constexpr unsigned int BIAS = F == PK_Q8_0 ? 0 : F == PK_Q4_0 ? 120 : F == PK_Q5_0 ? 112 : F == PK_Q6_K ? 96 : 128;
 };
 
 // The planes of a matrix of `rows` rows of K values.
@@ -125,7 +127,7 @@ __device__ __forceinline__ uint4 pk_meta(const unsigned char* meta, long run) {
         const unsigned int* w = (const unsigned int*)m;
         return make_uint4(w[0], w[1], 0u, 0u);
     }
-    if (F == PK_Q4_1) return make_uint4(*(const unsigned int*)m, 0u, 0u, 0u);
+    if (F == PK_Q4_1 || F == PK_Q5_1) return make_uint4(*(const unsigned int*)m, 0u, 0u, 0u);
     if (T::MBYTES == 1) return make_uint4(m[0], 0u, 0u, 0u);
     return make_uint4(*(const unsigned short*)m, 0u, 0u, 0u);
 }
@@ -153,9 +155,9 @@ __device__ __forceinline__ float pk_rocmfp4_scale(unsigned int x) {
 template <int F>
 __device__ __forceinline__ PkScales pk_scales(const uint4& r, int j) {
     PkScales s = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (F == PK_Q8_0 || F == PK_Q4_0 || F == PK_IQ4_NL) {
+    if (F == PK_Q8_0 || F == PK_Q4_0 || F == PK_Q5_0 || F == PK_IQ4_NL) {
         s.s_lo = s.s_hi = pk_f16(r.x);
-    } else if (F == PK_Q4_1) {
+    } else if (F == PK_Q4_1 || F == PK_Q5_1) {
         s.s_lo = s.s_hi = pk_f16(r.x);
         s.o_lo = s.o_hi = -pk_f16(r.x >> 16);
     } else if (F == PK_Q4_K || F == PK_Q5_K) {
@@ -258,6 +260,8 @@ __device__ __forceinline__ void pk_decode16(const PkRaw& r, long run, float* lo,
         CALL(PK_NVFP4)              \
         CALL(PK_ROCMFP4)            \
         CALL(PK_ROCMFP4_FAST)       \
+        CALL(PK_Q5_0)               \
+        CALL(PK_Q5_1)               \
     }
 
 __device__ __forceinline__ PkRaw pk_fetch16_any(int fmt, const unsigned char* w, long rows, int K, long run, int w0) {

@@ -1,4 +1,4 @@
-//! GGML block formats (the weights of GGUF files): Q8_0, Q4_0, Q4_1, IQ4_NL (blocks of 32), the
+//! GGML block formats (the weights of GGUF files): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (blocks of 32), the
 //! k-quants Q4_K, Q5_K, Q6_K and IQ4_XS (super-blocks of 256), and the FP4 formats MXFP4, NVFP4 and
 //! ROCmFP4 (`super::fp4`). A matrix keeps its raw blocks, row-major, each row a whole
 //! number of blocks; `dequant_row` is the CPU reference and follows ggml's `dequantize_row_*` step for
@@ -25,13 +25,18 @@ pub enum GgmlFormat {
     ROCMFP4,
     /// ROCmFP4 with one scale a block (type 101, `q4_0_rocmfp4_fast`).
     ROCMFP4_FAST,
+    /// 5 bits: Q4_0 and Q4_1 with a fifth bit a value (llama.cpp puts them where a row is not whole
+    /// k-quant super-blocks, as in SmolLM2's Q4_K_M).
+    Q5_0,
+    Q5_1,
 }
 
 /// Elements per k-quant super-block (ggml's QK_K).
 const QK_K: usize = 256;
 
 impl GgmlFormat {
-    pub const ALL: [GgmlFormat; 12] = [
+    /// Their order is the kernels' format ids (kernels/common/packed.h).
+    pub const ALL: [GgmlFormat; 14] = [
         GgmlFormat::Q8_0,
         GgmlFormat::Q4_0,
         GgmlFormat::Q4_1,
@@ -44,12 +49,15 @@ impl GgmlFormat {
         GgmlFormat::NVFP4,
         GgmlFormat::ROCMFP4,
         GgmlFormat::ROCMFP4_FAST,
+        GgmlFormat::Q5_0,
+        GgmlFormat::Q5_1,
     ];
 
     /// Elements per block.
     pub fn block_size(self) -> usize {
         match self {
             GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q4_1 | GgmlFormat::IQ4_NL | GgmlFormat::MXFP4 => 32,
+            GgmlFormat::Q5_0 | GgmlFormat::Q5_1 => 32,
             GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => 32,
             GgmlFormat::NVFP4 => 64,
             GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K | GgmlFormat::IQ4_XS => QK_K,
@@ -62,6 +70,8 @@ impl GgmlFormat {
             GgmlFormat::Q8_0 => 34,
             GgmlFormat::Q4_0 => 18,
             GgmlFormat::Q4_1 => 20,
+            GgmlFormat::Q5_0 => 22,
+            GgmlFormat::Q5_1 => 24,
             GgmlFormat::Q4_K => 144,
             GgmlFormat::Q5_K => 176,
             GgmlFormat::Q6_K => 210,
@@ -79,6 +89,8 @@ impl GgmlFormat {
         match self {
             GgmlFormat::Q4_0 => 2,
             GgmlFormat::Q4_1 => 3,
+            GgmlFormat::Q5_0 => 6,
+            GgmlFormat::Q5_1 => 7,
             GgmlFormat::Q8_0 => 8,
             GgmlFormat::Q4_K => 12,
             GgmlFormat::Q5_K => 13,
@@ -101,6 +113,8 @@ impl GgmlFormat {
             GgmlFormat::Q8_0 => DType::Q8_0,
             GgmlFormat::Q4_0 => DType::Q4_0,
             GgmlFormat::Q4_1 => DType::Q4_1,
+            GgmlFormat::Q5_0 => DType::Q5_0,
+            GgmlFormat::Q5_1 => DType::Q5_1,
             GgmlFormat::Q4_K => DType::Q4_K,
             GgmlFormat::Q5_K => DType::Q5_K,
             GgmlFormat::Q6_K => DType::Q6_K,
@@ -144,6 +158,8 @@ impl GgmlFormat {
                 GgmlFormat::Q8_0 => q8_0(b, y),
                 GgmlFormat::Q4_0 => q4_0(b, y),
                 GgmlFormat::Q4_1 => q4_1(b, y),
+                GgmlFormat::Q5_0 => q5_0(b, y),
+                GgmlFormat::Q5_1 => q5_1(b, y),
                 GgmlFormat::Q4_K => q4_k(b, y),
                 GgmlFormat::Q5_K => q5_k(b, y),
                 GgmlFormat::Q6_K => q6_k(b, y),
@@ -249,6 +265,31 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
     for (j, &q) in b[4..20].iter().enumerate() {
         lo[j] = (q & 0x0F) as f32 * d + m;
         hi[j] = (q >> 4) as f32 * d + m;
+    }
+}
+
+/// The fifth bits of Q5_0 / Q5_1: bit j of `qh` (four little-endian bytes) for value j, as bit 4.
+fn q5_high(qh: &[u8], j: usize) -> u8 {
+    ((u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]) >> j) as u8 & 1) << 4
+}
+
+/// Q5_0: d (f16), 32 fifth bits, then Q4_0's nibbles; value = (q - 16) · d.
+fn q5_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (lo, hi) = y.split_at_mut(16);
+    for (j, &q) in b[6..22].iter().enumerate() {
+        lo[j] = (((q & 0x0F) | q5_high(&b[2..6], j)) as i32 - 16) as f32 * d;
+        hi[j] = (((q >> 4) | q5_high(&b[2..6], j + 16)) as i32 - 16) as f32 * d;
+    }
+}
+
+/// Q5_1: d and m (f16), 32 fifth bits, then Q4_1's nibbles; value = q · d + m.
+fn q5_1(b: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    let (lo, hi) = y.split_at_mut(16);
+    for (j, &q) in b[8..24].iter().enumerate() {
+        lo[j] = ((q & 0x0F) | q5_high(&b[4..8], j)) as f32 * d + m;
+        hi[j] = ((q >> 4) | q5_high(&b[4..8], j + 16)) as f32 * d + m;
     }
 }
 
@@ -554,6 +595,20 @@ mod tests {
         b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
         GgmlFormat::Q4_1.dequant_blocks(&b, &mut y);
         assert_eq!((y[0], y[15], y[16]), (-0.25, 14.75, 14.75));
+        // Q5_0: d = 0.5, fifth bits set for values 1 and 16 (qh = 0x0001_0002), nibbles as Q4_0's.
+        let mut b = half::f16::from_f32(0.5).to_le_bytes().to_vec();
+        b.extend(0x0001_0002u32.to_le_bytes());
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        GgmlFormat::Q5_0.dequant_blocks(&b, &mut y);
+        // (q | h << 4) - 16, times 0.5: value 0 = 0 - 16, 1 = 17 - 16, 15 = 15 - 16, 16 = 31 - 16, 17 = 14 - 16.
+        assert_eq!((y[0], y[1], y[15], y[16], y[17]), (-8.0, 0.5, -0.5, 7.5, -1.0));
+        // Q5_1: d = 1, m = -0.25, fifth bit of value 31 only.
+        let mut b = half::f16::from_f32(1.0).to_le_bytes().to_vec();
+        b.extend(half::f16::from_f32(-0.25).to_le_bytes());
+        b.extend(0x8000_0000u32.to_le_bytes());
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        GgmlFormat::Q5_1.dequant_blocks(&b, &mut y);
+        assert_eq!((y[0], y[15], y[16], y[31]), (-0.25, 14.75, 14.75, 15.75));
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub enum DType {
     Q6_K,
     IQ4_NL,
     IQ4_XS,
+    Q5_0,
+    Q5_1,
     /// FP4 (E2M1) in blocks of 32 with a power-of-two scale (OCP microscaling).
     MXFP4,
     /// FP4 (E2M1) in blocks of 16 with an FP8 (E4M3) scale each (GGUF's four-block layout).
@@ -56,6 +58,8 @@ impl DType {
             DType::Q6_K => "q6_k",
             DType::IQ4_NL => "iq4_nl",
             DType::IQ4_XS => "iq4_xs",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
             DType::MXFP4 => "mxfp4",
             DType::NVFP4 => "nvfp4",
             DType::ROCMFP4 => "q4_0_rocmfp4",

@@ -47,7 +47,7 @@ fn high_bits(format: GgmlFormat) -> usize {
     match format {
         GgmlFormat::Q8_0 => 4,
         GgmlFormat::Q6_K => 2,
-        GgmlFormat::Q5_K => 1,
+        GgmlFormat::Q5_K | GgmlFormat::Q5_0 | GgmlFormat::Q5_1 => 1,
         _ => 0,
     }
 }
@@ -58,7 +58,8 @@ fn meta_group(format: GgmlFormat) -> (usize, usize) {
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => (8, 16),
         GgmlFormat::Q6_K => (8, 18),
         GgmlFormat::IQ4_XS => (8, 8),
-        GgmlFormat::Q4_1 => (1, 4),
+        GgmlFormat::Q4_1 | GgmlFormat::Q5_1 => (1, 4),
+        GgmlFormat::Q5_0 => (1, 2),
         GgmlFormat::MXFP4 | GgmlFormat::ROCMFP4_FAST => (1, 1),
         GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL | GgmlFormat::NVFP4 | GgmlFormat::ROCMFP4 => (1, 2),
     }
@@ -103,8 +104,8 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// The scales of run `j` (0-based within its meta group `m`), times `factor` where the format has one.
 fn run_scales(format: GgmlFormat, m: &[u8], j: usize, factor: f32) -> RunScales {
     match format {
-        GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL => RunScales::same(f16_at(m, 0), 0.0),
-        GgmlFormat::Q4_1 => RunScales::same(f16_at(m, 0), -f16_at(m, 2)),
+        GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q5_0 | GgmlFormat::IQ4_NL => RunScales::same(f16_at(m, 0), 0.0),
+        GgmlFormat::Q4_1 | GgmlFormat::Q5_1 => RunScales::same(f16_at(m, 0), -f16_at(m, 2)),
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
             let (sc, mn) = scale_min_k4(j, &m[4..16]);
             RunScales::same(f16_at(m, 0) * sc as f32, f16_at(m, 2) * mn as f32)
@@ -143,7 +144,8 @@ fn level(format: GgmlFormat, q: u8) -> f32 {
         GgmlFormat::Q8_0 => (q as i32 - 128) as f32,
         GgmlFormat::Q4_0 => (q as i32 - 8) as f32,
         GgmlFormat::Q6_K => (q as i32 - 32) as f32,
-        GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => q as f32,
+        GgmlFormat::Q5_0 => (q as i32 - 16) as f32,
+        GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q5_1 => q as f32,
         GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => IQ4_LEVELS[q as usize] as f32,
         GgmlFormat::MXFP4 | GgmlFormat::NVFP4 => E2M1_DOUBLED[q as usize] as f32,
         GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => CODEBOOK10[q as usize] as f32,
@@ -188,6 +190,15 @@ fn split_row(format: GgmlFormat, blocks: &[u8], runs: &mut Vec<RunCodes>, meta: 
             GgmlFormat::Q4_1 => {
                 meta.extend_from_slice(&b[..4]);
                 runs.push(nibble_run(&b[4..20]));
+            }
+            // The fifth bit of value i is bit i of the four qh bytes.
+            GgmlFormat::Q5_0 => {
+                meta.extend_from_slice(&b[..2]);
+                runs.push(fifth_bits(nibble_run(&b[6..22]), &b[2..6]));
+            }
+            GgmlFormat::Q5_1 => {
+                meta.extend_from_slice(&b[..4]);
+                runs.push(fifth_bits(nibble_run(&b[8..24]), &b[4..8]));
             }
             GgmlFormat::MXFP4 => {
                 meta.push(b[0]);
@@ -239,6 +250,12 @@ fn split_row(format: GgmlFormat, blocks: &[u8], runs: &mut Vec<RunCodes>, meta: 
             }
         }
     }
+}
+
+/// `run` with bit i of `qh` (four little-endian bytes) as bit 4 of code i.
+fn fifth_bits(run: RunCodes, qh: &[u8]) -> RunCodes {
+    let bits = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    std::array::from_fn(|i| run[i] | (((bits >> i) & 1) as u8) << 4)
 }
 
 /// 16 bytes of codes already in the run arrangement (low nibbles 0..16, high 16..32).

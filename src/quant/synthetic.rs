@@ -92,8 +92,8 @@ pub fn random_ggml_blocks(format: super::GgmlFormat, n: usize, seed: u64) -> Vec
     for _ in 0..n {
         let mut b: Vec<u8> = (0..format.block_bytes()).map(|_| byte()).collect();
         let scale_at: &[usize] = match format {
-            F::Q8_0 | F::Q4_0 | F::IQ4_NL | F::IQ4_XS => &[0],
-            F::Q4_1 | F::Q4_K | F::Q5_K => &[0, 2],
+            F::Q8_0 | F::Q4_0 | F::Q5_0 | F::IQ4_NL | F::IQ4_XS => &[0],
+            F::Q4_1 | F::Q5_1 | F::Q4_K | F::Q5_K => &[0, 2],
             F::Q6_K => &[208],
             F::MXFP4 => {
                 b[0] = 120 + byte() % 8;

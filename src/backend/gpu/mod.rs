@@ -87,6 +87,8 @@ fn packed_kernel(format: GgmlFormat) -> (i32, &'static str) {
         GgmlFormat::NVFP4 => "nvfp4",
         GgmlFormat::ROCMFP4 => "rocmfp4",
         GgmlFormat::ROCMFP4_FAST => "rocmfp4_fast",
+        GgmlFormat::Q5_0 => "q5_0",
+        GgmlFormat::Q5_1 => "q5_1",
     };
     (id, name)
 }
