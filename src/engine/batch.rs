@@ -175,14 +175,19 @@ impl Shared {
         }
     }
 
-    /// One step of the model for `batch`; every row gets the step's error if it fails.
+    /// One step of the model for `batch`; every row gets the step's error if it fails. A panic
+    /// becomes that error too: unwinding past the queue would leave it led by no one.
     fn run(&self, batch: &[(u64, BatchRow)]) -> Vec<Result<StepResult>> {
         let rows: Vec<BatchRow> = batch.iter().map(|(_, r)| *r).collect();
-        let result = (|| {
+        let step = std::panic::AssertUnwindSafe(|| {
             let mut model = self.model();
             clear_device_state(&mut model, &mut self.device_state.lock().unwrap_or_else(|p| p.into_inner()))?;
             model.step_batch(&rows)
-        })();
+        });
+        let result = std::panic::catch_unwind(step).unwrap_or_else(|panic| {
+            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+            Err(Error::Device(format!("a batched decode step panicked: {}", what.unwrap_or_default())))
+        });
         match result {
             Ok(out) => {
                 let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
