@@ -862,6 +862,8 @@ fn tojson_filter(
         }
         minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {err}"))
     })?;
+    // The text made is charged like the rest of the render's data (one fuel per 64 bytes).
+    state.consume_fuel(text.len() as u64 / 64)?;
     Ok(Value::from(text))
 }
 
@@ -1433,6 +1435,10 @@ mod tests {
             ("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|string }}", "nested"),
             // one long string printed many times inside a list
             ("{% set s = 'x' * 10000000 %}{{ [s, s, s, s, s, s, s, s, s, s]|string }}", "larger than"),
+            // a macro calling itself twice, 2^23 leaves of indented JSON (the fuzzer's timeout of
+            // 2026-12-01: 20 s under AddressSanitizer; docs/security.md)
+            ("{% macro r(x, d) %}{% if d > 0 %}[{{ r(x, d - 1) }}]{{ r(x, d - 1) }}{% else %}{{ x|tojson(indent=4) }}{% endif %}{% endmacro %}{{ r(messages, 23) }}", "fuel"),
+            ("{% macro r(x, d) %}{% if d > 0 %}[{{ r(x, d - 1) }}]{{ r(x, d - 1) }}{% else %}{{ x|tojson(indent=4) }}{% endif %}{% endmacro %}{{ r(range(200)|list, 23) }}", "fuel"),
         ];
         for (source, needle) in cases {
             let t = std::time::Instant::now();
