@@ -307,9 +307,11 @@ impl Engine {
         self.front.template()
     }
 
-    /// Forgets the cached prefix (after a failure that may have left it half-written).
+    /// Forgets the cached prefix (after a failure that may have left it half-written), and tells
+    /// batching not to wait for this engine's sequence (a panic may have skipped that).
     pub fn reset_cache(&mut self) {
         self.cached.clear();
+        self.model.finish();
     }
 
     /// The seed of requests that set none (None: a fresh random seed each time).
