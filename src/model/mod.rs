@@ -101,16 +101,21 @@ pub trait LanguageModel: Send {
     /// kernels are batch-invariant (see `Backend::linear`). The token mask and logit adjustments
     /// must be off.
     fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
-        let mut out = Vec::with_capacity(rows.len());
-        for row in rows {
-            self.select(row.slot)?;
-            out.push(self.step(&[row.token], row.pos, row.want)?);
-        }
-        Ok(out)
+        step_one_by_one(self, rows)
     }
     /// The sequence in the selected slot takes no further steps for now: batching stops
     /// waiting for it.
     fn finish(&mut self) {}
+}
+
+/// `step_batch` as single steps, slot by slot (the same results).
+fn step_one_by_one<M: LanguageModel + ?Sized>(model: &mut M, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        model.select(row.slot)?;
+        out.push(model.step(&[row.token], row.pos, row.want)?);
+    }
+    Ok(out)
 }
 
 /// One sequence's token in a batched decode step (`LanguageModel::step_batch`).
@@ -515,12 +520,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
 
     fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
         if rows.len() == 1 || self.costs.unbatch() {
-            let mut out = Vec::with_capacity(rows.len());
-            for row in rows {
-                self.select(row.slot)?;
-                out.push(self.step(&[row.token], row.pos, row.want)?);
-            }
-            return Ok(out);
+            return step_one_by_one(self, rows);
         }
         let began = std::time::Instant::now();
         let mut taken = vec![false; self.slots.len()];
