@@ -25,8 +25,11 @@ const TEMPLATE_NAME: &str = "chat_template";
 
 // A template comes with the model files, so it may be hostile: every render has a budget that
 // ends it with an error, never a hang, an exhausted stack or an allocation that aborts the host.
-/// minijinja fuel (about one per instruction and per 64 bytes of data made) of every render...
-const RENDER_FUEL: u64 = 2_000_000;
+/// minijinja fuel (about one per instruction and per BYTES_PER_FUEL bytes of data made or
+/// printed) of every render (Qwen3's template spends under 1,000 on a six-message turn with tools;
+/// a macro call is one instruction but costs far more than one, so this base stays low: spent on
+/// a recursive macro tree it ends in 12 ms here, in well under a second under the fuzzer's sanitizer)...
+const RENDER_FUEL: u64 = 250_000;
 /// ... plus this much per byte of the conversation, tools and kwargs, so the budget of a real
 /// template grows with the request (a chat template spends about 1 per byte) ...
 const RENDER_FUEL_PER_BYTE: u64 = 8;
@@ -37,6 +40,10 @@ const MAX_RENDER_FUEL: u64 = 50_000_000;
 /// thread whose stack holds the deepest value its fuel can build (the pages are only touched as
 /// deep as a template goes).
 const RENDER_STACK_BYTES: usize = 1 << 30;
+/// Text costs one fuel per this many bytes, each time it is made (tojson, str) and each time it
+/// is printed: a macro's output is copied once per level of the calls above it, and those copies
+/// are only bounded if printing them costs fuel (the fuzzer's 2^23-leaf macro tree, 2026-12-01).
+const BYTES_PER_FUEL: u64 = 16;
 /// Template recursion (minijinja's own measure: a macro call counts about 10, a block 1).
 const RECURSION_LIMIT: usize = 250;
 /// The most text one render, or one `tojson` / `string` inside it, may produce.
@@ -569,6 +576,7 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
 // ---------------------------------------------------------------------------------------------
 // Python's str() and repr(), which jinja2 uses to print values
 
+/// Every printed value's text is charged to the render's fuel (BYTES_PER_FUEL).
 /// jinja2 prints with Python's `str()`. minijinja 3 already spells None/True/False that way, but
 /// prints containers with Rust's Debug (`["a", 1]`, and elided past a size limit) and floats
 /// without exponents (`10000000000000000.0` for Python's `1e+16`), so those are printed here.
@@ -577,14 +585,18 @@ fn python_formatter(
     state: &mut State,
     value: &Value,
 ) -> std::result::Result<(), minijinja::Error> {
+    if let Some(text) = value.as_str() {
+        state.consume_fuel(text.len() as u64 / BYTES_PER_FUEL)?;
+    }
     let pythonic = match value.kind() {
         ValueKind::Seq | ValueKind::Map => true,
         ValueKind::Number => !value.is_integer(),
         _ => false,
     };
     if pythonic {
-        out.write_str(&py_str(Some(state), value)?)
-            .map_err(|_| minijinja::Error::from(ErrorKind::WriteFailure))
+        let text = py_str(Some(state), value)?;
+        state.consume_fuel(text.len() as u64 / BYTES_PER_FUEL)?;
+        out.write_str(&text).map_err(|_| minijinja::Error::from(ErrorKind::WriteFailure))
     } else {
         minijinja::escape_formatter(out, state, value)
     }
@@ -821,7 +833,7 @@ fn tojson_filter(
             if n > MAX_RENDER_BYTES {
                 return Err(too_large_in_template("the tojson indent"));
             }
-            state.consume_fuel(n as u64 / 64)?;
+            state.consume_fuel(n as u64 / BYTES_PER_FUEL)?;
             Some(" ".repeat(n))
         }
     };
@@ -862,8 +874,7 @@ fn tojson_filter(
         }
         minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {err}"))
     })?;
-    // The text made is charged like the rest of the render's data (one fuel per 64 bytes).
-    state.consume_fuel(text.len() as u64 / 64)?;
+    state.consume_fuel(text.len() as u64 / BYTES_PER_FUEL)?;
     Ok(Value::from(text))
 }
 
@@ -1439,6 +1450,11 @@ mod tests {
             // 2026-12-01: 20 s under AddressSanitizer; docs/security.md)
             ("{% macro r(x, d) %}{% if d > 0 %}[{{ r(x, d - 1) }}]{{ r(x, d - 1) }}{% else %}{{ x|tojson(indent=4) }}{% endif %}{% endmacro %}{{ r(messages, 23) }}", "fuel"),
             ("{% macro r(x, d) %}{% if d > 0 %}[{{ r(x, d - 1) }}]{{ r(x, d - 1) }}{% else %}{{ x|tojson(indent=4) }}{% endif %}{% endmacro %}{{ r(range(200)|list, 23) }}", "fuel"),
+            // the same tree over other leaves: the copies on the way up are charged as printed
+            ("{% macro r(d) %}{% if d > 0 %}{{ r(d - 1) }}{{ r(d - 1) }}{% else %}{{ 'x' * 1000 }}{% endif %}{% endmacro %}{{ r(30) }}", "fuel"),
+            ("{% macro r(d) %}{% if d > 0 %}{% set a = r(d - 1) %}{% set b = r(d - 1) %}{{ a ~ b }}{% else %}{{ 'x' * 1000 }}{% endif %}{% endmacro %}{{ r(30)|length }}", "fuel"),
+            // a string doubled in a loop
+            ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}", "fuel"),
         ];
         for (source, needle) in cases {
             let t = std::time::Instant::now();
