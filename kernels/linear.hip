@@ -3,6 +3,7 @@
 // Prefill (T > GEMV_MAX_T) is in gemm.hip.
 #include "common/portable.h"
 #include "common/fp8.h"
+#include "common/mma.h"
 #include "common/packed.h"
 
 #define GEMV_MAX_T 8
@@ -230,8 +231,8 @@ __device__ __forceinline__ void gemv1_bf16_rows(const bf16* w0, const bf16* w1, 
     }
 }
 
-// One token (the decode step), and up to GEMV1_TOKENS (checking drafts: each token gets the bits
-// the one-token kernel gives it).
+// One token (the decode step), and up to GEMV1_TOKENS (checking drafts, decoding several
+// sequences: each token gets the bits the one-token kernel gives it).
 ATLAS_KERNEL void gemv1_bf16(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
                              const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
                              const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0,
@@ -507,22 +508,142 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     }
 }
 
-// As gemv1_bf16 (up to four projections of one input, the residual added to the first), over FP8
-// weights with scale grids s0..s3, for `tokens` (1..TOKENS) rows of x [tokens, K]: y0..y3 and the
-// residual are [tokens, n_i].
-template <int TOKENS>
-__device__ __forceinline__ void gemv1_fp8_rows(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
-                                               const unsigned char* w3, const float* s0, const float* s1, const float* s2,
-                                               const float* s3, const float* b0, const float* b1, const float* b2,
-                                               const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
-                                               int n2, int n3, const float* x, const float* norm_w, float eps,
-                                               const float* residual, int K, int tokens) {
+// bf16 weights on matrix cores (NVIDIA sm_80+, BF16_ROWS_MMA: the gemv1_*_bf16_mma kernels, which
+// engines that decode several sequences together use instead of gemv1_bf16 and friends: as fast
+// for eight tokens as for one, where the CUDA-core kernels take about three times as long; about 7 %
+// slower for one token on an H200, so single-sequence engines keep those). The FP8 kernels' shape:
+// a block takes 16 output rows as TILES tiles of 16 weight rows, its FP8_UNITS units share the
+// 64-column blocks of K (unit u takes blocks u, u + FP8_UNITS, ...); per block, lane (g, t) reads
+// chunks t and t + 4 (8 values each) of the tile's rows g and g + 8, the next block's in flight
+// meanwhile. Each input value goes through the mma as two bf16, x rounded (hi) and the rest rounded
+// (lo), in two chains of accumulators: products with 16 significant bits of x, each exact in f32.
+// A token's column of the mma is computed from its own inputs only, so one token and several get
+// the same bits (a sequence decoded beside others answers as it would alone). The input is read as
+// gemv1_bf16 reads it: staged times norm_w in shared memory when norm_w is given (dynamic shared
+// memory tokens * K * 4 bytes), else in place.
+// Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 8 == 0.
+#define BF16_MMA_BLOCK 64
+
+#if BF16_ROWS_MMA
+// The two rows a lane reads in one tile (`scales` unused: the signature of Fp8Rows::set).
+struct Bf16Rows {
+    const uint4* w[2];
+    __device__ __forceinline__ void set(int h, const bf16* matrix, const float*, int n, int K) {
+        w[h] = (const uint4*)(matrix + (long)n * K);
+    }
+};
+
+// x rounded to bf16 pairs (hi) and what that rounding left, rounded (lo): eight values.
+__device__ __forceinline__ void bf16_split8(const float (&x)[8], unsigned int (&hi)[4], unsigned int (&lo)[4]) {
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        hi[u] = bf16x2_pack(x[2 * u], x[2 * u + 1]);
+        lo[u] = bf16x2_pack(x[2 * u] - __uint_as_float(hi[u] << 16), x[2 * u + 1] - __uint_as_float(hi[u] & 0xffff0000u));
+    }
+}
+
+template <int TILES, int TOKENS>
+__device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const float* x, const float* norm_w,
+                                         float eps, int K, int tokens, float (&out)[TILES]) {
+    __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
+    const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
+    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block.
+    struct Stage {
+        uint4 w[TILES][2][2];
+        __device__ __forceinline__ void fetch(const Bf16Rows (&tiles)[TILES], int kb, int chunks, int t) {
+#pragma unroll
+            for (int i = 0; i < TILES; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const int c = kb * 8 + j * 4 + t;
+                        w[i][h][j] = c < chunks ? tiles[i].w[h][c] : make_uint4(0, 0, 0, 0);
+                    }
+        }
+    } cur, next;
+    pdl_launch_dependents();
+    cur.fetch(tiles, unit, chunks, t);
+    next.fetch(tiles, unit + FP8_UNITS, chunks, t);
+    pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
+    float scale[TOKENS];
+    const float* xs = gemv_input<TOKENS>(x, norm_w, eps, K, tokens, scale);
+    // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
+    const float4* xt = (const float4*)(xs + (long)(g < tokens ? g : 0) * K);
+    float acc[TILES][2][4] = {};  // [tile][hi, lo chain][mma accumulator]
+    auto consume = [&](const Stage& st, int kb) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int c = kb * 8 + j * 4 + t;
+            const float4 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
+            const float4 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
+            const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            unsigned int hi[4], lo[4];
+            bf16_split8(xc, hi, lo);
+#pragma unroll
+            for (int i = 0; i < TILES; i++) {
+                const uint4 rg = st.w[i][0][j], rg8 = st.w[i][1][j];
+                bf16_rows_mma(acc[i][0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
+                bf16_rows_mma(acc[i][0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
+                bf16_rows_mma(acc[i][1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
+                bf16_rows_mma(acc[i][1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
+            }
+        }
+    };
+    for (int kb = unit; kb < kblocks; kb += 2 * FP8_UNITS) {
+        consume(cur, kb);
+        cur.fetch(tiles, kb + 2 * FP8_UNITS, chunks, t);
+        if (kb + FP8_UNITS >= kblocks) break;
+        consume(next, kb + FP8_UNITS);
+        next.fetch(tiles, kb + 3 * FP8_UNITS, chunks, t);
+    }
+    // Lane (g, t) holds columns 2t, 2t + 1 (tokens; for one token every column is it).
+#pragma unroll
+    for (int i = 0; i < TILES; i++)
+#pragma unroll
+        for (int col = 0; col < 2; col++) {
+            const int n = 2 * t + col;
+            if (n < tokens && n < TOKENS) {
+                sums[unit][i][g][n] = acc[i][0][col] + acc[i][1][col];
+                sums[unit][i][g + 8][n] = acc[i][0][2 + col] + acc[i][1][2 + col];
+            }
+        }
+    __syncthreads();
+    const int r = threadIdx.x % 16, n = threadIdx.x / 16;
+    if (n >= tokens) return;
+    const float s = fp8_token_scale<TOKENS>(scale, n);
+#pragma unroll
+    for (int i = 0; i < TILES; i++) {
+        float total = 0.0f;
+        for (int u = 0; u < FP8_UNITS; u++) total += sums[u][i][r][n];
+        out[i] = total * s;
+    }
+}
+#endif
+
+// The tiled kernels' dot products, by the weights' row type.
+template <int TILES, int TOKENS>
+__device__ __forceinline__ void rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
+                                         float eps, int K, int tokens, float (&out)[TILES]) {
+    fp8_rows_dot<TILES, TOKENS>(tiles, x, norm_w, eps, K, tokens, out);
+}
+
+// As gemv1_bf16 (up to four projections of one input, the residual added to the first), in tiles of 16 rows: FP8 weights (Rows = Fp8Rows, W = unsigned char) with scale grids
+// s0..s3, or bf16 on matrix cores (Bf16Rows, W = bf16; no scales), for `tokens` (1..TOKENS) rows
+// of x [tokens, K]: y0..y3 and the residual are [tokens, n_i].
+template <class Rows, class W, int TOKENS>
+__device__ __forceinline__ void gemv1_tiled_rows(const W* w0, const W* w1, const W* w2, const W* w3, const float* s0,
+                                                 const float* s1, const float* s2, const float* s3, const float* b0,
+                                                 const float* b1, const float* b2, const float* b3, float* y0, float* y1,
+                                                 float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
+                                                 const float* norm_w, float eps, const float* residual, int K, int tokens) {
     const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
     // Row r of the block's tile lies in segment seg at row n of it (rows past the end read row 0).
     auto locate = [&](int r, int& seg, int& n) {
         gemv1_segment(blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0, n0, n1, n2, seg, n);
     };
-    Fp8Rows tile[1];
+    Rows tile[1];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int seg, n;
@@ -530,7 +651,7 @@ __device__ __forceinline__ void gemv1_fp8_rows(const unsigned char* w0, const un
         tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
     float out[1];
-    fp8_rows_dot<1, TOKENS>(tile, x, norm_w, eps, K, tokens, out);
+    rows_dot<1, TOKENS>(tile, x, norm_w, eps, K, tokens, out);
     const int r = threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || blockIdx.x * 16 + r >= total) return;
     int seg, n;
@@ -548,7 +669,7 @@ ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, co
                             const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
                             float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
                             const float* norm_w, float eps, const float* residual, int K) {
-    gemv1_fp8_rows<1>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
+    gemv1_tiled_rows<Fp8Rows, unsigned char, 1>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
                       residual, K, 1);
 }
 
@@ -558,19 +679,19 @@ ATLAS_KERNEL void gemv1_fp8_tokens(const unsigned char* w0, const unsigned char*
                                    float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3,
                                    const float* x, const float* norm_w, float eps, const float* residual, int K,
                                    int tokens) {
-    gemv1_fp8_rows<GEMV1_TOKENS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x,
+    gemv1_tiled_rows<Fp8Rows, unsigned char, GEMV1_TOKENS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x,
                                  norm_w, eps, residual, K, tokens);
 }
 
-// As gemv1_gate_up_bf16, over FP8 weights with scale grids sg, su, for `tokens` rows of x (out
-// [tokens, N]).
-template <int TOKENS>
-__device__ __forceinline__ void gemv1_gate_up_fp8_rows(const unsigned char* g, const unsigned char* u, const float* sg,
-                                                       const float* su, const float* gate_bias, const float* up_bias,
-                                                       const float* x, const float* norm_w, float eps, float* out, int N,
-                                                       int K, int tokens) {
+// As gemv1_gate_up_bf16, in tiles (as gemv1_tiled_rows): FP8 weights with scale
+// grids sg, su, or bf16 on matrix cores, for `tokens` rows of x (out [tokens, N]).
+template <class Rows, class W, int TOKENS>
+__device__ __forceinline__ void gemv1_gate_up_tiled_rows(const W* g, const W* u, const float* sg, const float* su,
+                                                         const float* gate_bias, const float* up_bias, const float* x,
+                                                         const float* norm_w, float eps, float* out, int N, int K,
+                                                         int tokens) {
     const int lane = threadIdx.x % 32;
-    Fp8Rows tiles[2];
+    Rows tiles[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int n = blockIdx.x * 16 + lane / 4 + 8 * h < N ? blockIdx.x * 16 + lane / 4 + 8 * h : 0;
@@ -578,7 +699,7 @@ __device__ __forceinline__ void gemv1_gate_up_fp8_rows(const unsigned char* g, c
         tiles[1].set(h, u, su, n, K);
     }
     float gu[2];
-    fp8_rows_dot<2, TOKENS>(tiles, x, norm_w, eps, K, tokens, gu);
+    rows_dot<2, TOKENS>(tiles, x, norm_w, eps, K, tokens, gu);
     const int n = blockIdx.x * 16 + threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || n >= N) return;
     const float gv = gu[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] + (up_bias ? up_bias[n] : 0.0f);
@@ -589,15 +710,54 @@ __device__ __forceinline__ void gemv1_gate_up_fp8_rows(const unsigned char* g, c
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
                                     const float* su, const float* gate_bias, const float* up_bias, const float* x,
                                     const float* norm_w, float eps, float* out, int N, int K) {
-    gemv1_gate_up_fp8_rows<1>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+    gemv1_gate_up_tiled_rows<Fp8Rows, unsigned char, 1>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     gemv1_gate_up_fp8_tokens(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
                              const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
                              float* out, int N, int K, int tokens) {
-    gemv1_gate_up_fp8_rows<GEMV1_TOKENS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
+    gemv1_gate_up_tiled_rows<Fp8Rows, unsigned char, GEMV1_TOKENS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
 }
+
+#if BF16_ROWS_MMA
+// The bf16 kernels on matrix cores (the tiled form above), for engines that decode several
+// sequences together: the same launches as gemv1_fp8 and gemv1_gate_up_fp8, and the same
+// arguments as gemv1_bf16 and gemv1_gate_up_bf16. Two blocks per SM (register budget).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
+    gemv1_bf16_mma(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0, const float* s1,
+                   const float* s2, const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
+                   float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
+                   const float* norm_w, float eps, const float* residual, int K) {
+    gemv1_tiled_rows<Bf16Rows, bf16, 1>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x,
+                                        norm_w, eps, residual, K, 1);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
+    gemv1_bf16_mma_tokens(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                          const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                          const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
+                          int n2, int n3, const float* x, const float* norm_w, float eps, const float* residual, int K,
+                          int tokens) {
+    gemv1_tiled_rows<Bf16Rows, bf16, GEMV1_TOKENS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1,
+                                                   n2, n3, x, norm_w, eps, residual, K, tokens);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
+    gemv1_gate_up_bf16_mma(const bf16* g, const bf16* u, const float* sg, const float* su, const float* gate_bias,
+                           const float* up_bias, const float* x, const float* norm_w, float eps, float* out, int N,
+                           int K) {
+    gemv1_gate_up_tiled_rows<Bf16Rows, bf16, 1>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
+    gemv1_gate_up_bf16_mma_tokens(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                  const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,
+                                  float eps, float* out, int N, int K, int tokens) {
+    gemv1_gate_up_tiled_rows<Bf16Rows, bf16, GEMV1_TOKENS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K,
+                                                           tokens);
+}
+#endif
 
 // Block formats in the device layout (common/packed.h) on matrix cores, shaped as the FP8 kernels:
 // a block takes 16 output rows as TILES tiles; its PK_UNITS units of 32 lanes share the 256-column

@@ -224,3 +224,20 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
     mma16_frag(acc, a, b);
 }
 #endif
+
+// The rows of a decode GEMV on matrix cores (kernels/linear.hip's bf16 kernels): one m16n8k16 bf16
+// mma, f32 accumulation. a0, a2 hold row g's bf16 pairs at k (2t, 2t + 1) and (2t + 8, 2t + 9), a1,
+// a3 row g + 8's; b0, b1 column g's at the same k (g = lane / 4, t = lane % 4). acc[0], acc[1] get
+// row g at columns 2t, 2t + 1; acc[2], acc[3] row g + 8. NVIDIA sm_80+ only (BF16_ROWS_MMA):
+// elsewhere those kernels keep their CUDA-core form.
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define BF16_ROWS_MMA 1
+__device__ __forceinline__ void bf16_rows_mma(float* acc, unsigned int a0, unsigned int a1, unsigned int a2,
+                                              unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#else
+#define BF16_ROWS_MMA 0
+#endif

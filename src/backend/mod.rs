@@ -427,6 +427,12 @@ pub trait Backend: Send + Sync {
         self.to_host(x)
     }
 
+    /// The model keeps `sequences` sequences and decodes them side by side (set at load). A
+    /// backend may then pick kernels that are faster for several tokens a launch (the GPU's
+    /// matrix-core bf16 GEMV): they still give each token the bits it gets alone, but those may
+    /// differ in the last bits from what a single-sequence model's kernels give.
+    fn plan_sequences(&self, _sequences: usize) {}
+
     /// Decode steps (one token) can be recorded once and replayed, as a CUDA/HIP graph, when the
     /// backend supports it, one recording per `key` (a sequence slot: each points at its own
     /// caches). `replay_decode` queues the step recorded under `key` for (token, pos) and returns

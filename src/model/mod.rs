@@ -499,6 +499,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         if n == 0 {
             return Err(Error::InvalidArgument("a model for no sequences".into()));
         }
+        self.backend.plan_sequences(n);
         self.slots.truncate(n);
         while self.slots.len() < n {
             let cache = self.model.new_cache(&self.backend, self.ctx_size).map_err(|e| {

@@ -38,6 +38,8 @@ pub struct CudaRuntime {
     max_shared_bytes: u32,
     /// Compiled for sm_90a: the WGMMA_KERNELS exist.
     wgmma: bool,
+    /// Compute capability 8.0 or later: mma.sync, and the MMA_KERNELS.
+    mma: bool,
     description: String,
 }
 
@@ -63,6 +65,9 @@ pub(crate) const KERNELS: [&str; 79] = [
     "gemv1_gate_up_q6_k", "gemv1_gate_up_iq4_nl", "gemv1_gate_up_iq4_xs", "gemv1_gate_up_mxfp4", "gemv1_gate_up_nvfp4",
     "gemv1_gate_up_rocmfp4", "gemv1_gate_up_rocmfp4_fast", "gemv1_gate_up_q5_0", "gemv1_gate_up_q5_1",
 ];
+
+/// Kernels that exist only where mma.sync does (kernels/linear.hip's BF16_ROWS_MMA, sm_80+).
+const MMA_KERNELS: [&str; 4] = ["gemv1_bf16_mma", "gemv1_bf16_mma_tokens", "gemv1_gate_up_bf16_mma", "gemv1_gate_up_bf16_mma_tokens"];
 
 /// Kernels that exist only where wgmma does (kernels/gemm.hip, sm_90a).
 const WGMMA_KERNELS: [&str; 3] = ["gemm_wg_bf16", "gemm_wg_fp8", "gemm_wg_packed"];
@@ -114,6 +119,7 @@ impl CudaRuntime {
             early_launch: false,
             max_shared_bytes: 0,
             wgmma: false,
+            mma: false,
             description: String::new(),
         };
         let device = rt.ctx.cu_device();
@@ -143,7 +149,10 @@ impl CudaRuntime {
             cu::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         }
         .map_err(|e| dev_err("shared memory size", e))?;
-        for &name in KERNELS.iter().chain(if wgmma { &WGMMA_KERNELS[..] } else { &[] }) {
+        let mma = major >= 8;
+        let optional = [(mma, &MMA_KERNELS[..]), (wgmma, &WGMMA_KERNELS[..])];
+        let extra = optional.iter().filter(|(present, _)| *present).flat_map(|(_, names)| names.iter());
+        for &name in KERNELS.iter().chain(extra) {
             let cname = CString::new(name).map_err(|e| dev_err("kernel name", e))?;
             // SAFETY: the module is loaded and the name is NUL-terminated; the attributes are plain
             // integers. Beyond 48 KB, dynamic shared memory must be allowed per function.
@@ -164,6 +173,7 @@ impl CudaRuntime {
         rt.description = format!("cuda {name} ({arch}, kernels {cache_state})");
         rt.early_launch = major >= 9;
         rt.wgmma = wgmma;
+        rt.mma = mma;
         rt.max_shared_bytes = max_shared as u32;
         Ok(rt)
     }
@@ -254,6 +264,10 @@ impl Runtime for CudaRuntime {
 
     fn max_shared_bytes(&self) -> u32 {
         self.max_shared_bytes
+    }
+
+    fn bf16_gemv_on_matrix_cores(&self) -> bool {
+        self.mma
     }
 
     fn has_wgmma(&self) -> bool {

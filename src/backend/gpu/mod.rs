@@ -10,6 +10,7 @@ pub mod runtime;
 
 pub use self::moe::GpuExperts;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use half::bf16;
@@ -145,19 +146,22 @@ impl GpuWeight {
         format!("{stem}_{}", self.suffix())
     }
 
-    /// The one-token kernels' launch for `rows` outputs over this weight format: grid, block and
-    /// dynamic shared memory. bf16 stages the normalised input as f32 (kernels/linear.hip's gemv1),
-    /// fp8 always stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in
-    /// whole 256-column steps (pk_rows_dot).
-    /// Grid, block and dynamic shared memory of the one-token kernels for `rows` output rows and
-    /// `tokens` rows of input (more than one: FP8 only, see `gemv1_fits`).
-    /// `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
-    fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, several: bool, warp_size: u32) -> ([u32; 3], [u32; 3], u32) {
+    /// The one-token kernels' launch for `rows` output rows and `tokens` rows of input over this
+    /// weight format: grid, block and dynamic shared memory. bf16 stages the normalised input as
+    /// f32 (kernels/linear.hip's gemv_input), in warps of GEMV_ROWS (GEMV_TOKENS_ROWS for the
+    /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8; fp8 always
+    /// stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in whole
+    /// 256-column steps (pk_rows_dot). `several`: the several-token kernel (`gemv1_kernel`),
+    /// whatever `tokens` this launch takes.
+    fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
                 let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
+                if dev.bf16_mma {
+                    return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared);
+                }
                 let per_warp = if several { GEMV_TOKENS_ROWS } else { GEMV_ROWS };
-                ([blocks(rows, per_warp * GEMV_THREADS / warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
+                ([blocks(rows, per_warp * GEMV_THREADS / dev.warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
             WeightFormat::Fp8 { .. } => {
                 let shared = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
@@ -175,15 +179,15 @@ impl GpuWeight {
     /// the shared memory (`max_shared` bytes per block). The bf16 and FP8 ones take up to
     /// GEMV1_TOKENS tokens, each with the bits it gets alone (kernels/linear.hip), in launches of
     /// `gemv1_group` tokens; packed formats as many, one launch per token.
-    fn gemv1_fits(&self, normed: bool, max_shared: u32, tokens: usize) -> bool {
+    fn gemv1_fits(&self, normed: bool, dev: GemvDevice, tokens: usize) -> bool {
         match self.format {
             WeightFormat::Bf16 => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 8 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 8 == 0 && self.gemv1_group(normed, dev, tokens) > 0
             }
-            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, max_shared, tokens) > 0,
+            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, dev, tokens) > 0,
             // Several tokens take the one-token kernel one by one: each gets its single-step bits.
             WeightFormat::Packed(_) => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, normed, 1, false, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
             }
         }
     }
@@ -192,34 +196,46 @@ impl GpuWeight {
     /// time for one (the one-token kernel), else as many as the shared memory stages, at most
     /// GEMV1_TOKENS (the bf16 and FP8 `_tokens` kernels; 0 when even one does not fit; 1 for
     /// packed formats).
-    fn gemv1_group(&self, normed: bool, max_shared: u32, tokens: usize) -> usize {
-        match self.format {
-            // The same bound for one token as for several: an input takes the same kernels
-            // alone as beside others.
-            WeightFormat::Bf16 if tokens == 1 => usize::from(self.gemv1_launch(1, normed, 1, false, 32).2 + GEMV_STATIC_SHARED <= max_shared),
-            WeightFormat::Bf16 => (1..=GEMV1_TOKENS)
-                .take_while(|&t| self.gemv1_launch(1, normed, t, true, 32).2 + GEMV_STATIC_SHARED <= max_shared)
-                .last()
-                .unwrap_or(0),
-            WeightFormat::Fp8 { .. } if tokens == 1 => {
-                usize::from(self.gemv1_launch(1, normed, 1, false, 32).2 + FP8_GEMV_STATIC_SHARED <= max_shared)
-            }
-            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS)
-                .take_while(|&t| self.gemv1_launch(1, normed, t, true, 32).2 + FP8_GEMV1_STATIC_SHARED <= max_shared)
-                .last()
-                .unwrap_or(0),
-            _ => 1,
+    fn gemv1_group(&self, normed: bool, dev: GemvDevice, tokens: usize) -> usize {
+        // The kernels' static shared memory: one token's, several tokens'.
+        let fixed = match self.format {
+            WeightFormat::Bf16 if !dev.bf16_mma => [GEMV_STATIC_SHARED; 2],
+            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => [FP8_GEMV_STATIC_SHARED, FP8_GEMV1_STATIC_SHARED],
+            WeightFormat::Packed(_) => return 1,
+        };
+        // The same bound for one token as for several: an input takes the same kernels alone as
+        // beside others.
+        if tokens == 1 {
+            return usize::from(self.gemv1_launch(1, normed, 1, false, dev).2 + fixed[0] <= dev.max_shared);
         }
+        (1..=GEMV1_TOKENS)
+            .take_while(|&t| self.gemv1_launch(1, normed, t, true, dev).2 + fixed[1] <= dev.max_shared)
+            .last()
+            .unwrap_or(0)
     }
 
     /// The kernel for `tokens` rows of input from its stem ("gemv1", "gemv1_gate_up"), and the
-    /// token count argument that FP8's several-token kernels take after the others.
-    fn gemv1_kernel(&self, stem: &str, tokens: usize) -> (String, Option<Arg>) {
+    /// token count argument that the several-token kernels take after the others.
+    fn gemv1_kernel(&self, stem: &str, tokens: usize, dev: GemvDevice) -> (String, Option<Arg>) {
+        let name = match self.format {
+            WeightFormat::Bf16 if dev.bf16_mma => format!("{}_mma", self.kernel(stem)),
+            _ => self.kernel(stem),
+        };
         match self.format {
-            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } if tokens > 1 => (format!("{}_tokens", self.kernel(stem)), Some(Arg::I32(tokens as i32))),
-            _ => (self.kernel(stem), None),
+            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } if tokens > 1 => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
+            _ => (name, None),
         }
     }
+}
+
+/// What the one-token kernels' launch depends on besides the weight: the shared memory a block
+/// may use, the warp width, and whether bf16 takes its matrix-core kernels (on a device that has
+/// them, in a model that decodes several sequences: `GpuBackend::several_sequences`).
+#[derive(Clone, Copy)]
+struct GemvDevice {
+    max_shared: u32,
+    warp_size: u32,
+    bf16_mma: bool,
 }
 
 pub struct GpuKvCache {
@@ -238,6 +254,9 @@ pub struct GpuBackend {
     /// The rotary frequency table on the device, uploaded once (every layer uses the same one).
     rope_table: Mutex<Option<(Vec<f32>, GpuTensor)>>,
     decode: Mutex<DecodeGraph>,
+    /// The model decodes several sequences side by side (`Backend::plan_sequences`): bf16 one-token
+    /// products take their matrix-core kernels where the device has them.
+    several_sequences: AtomicBool,
     /// The token mask (see `Backend::set_token_mask`) as argmax and top_k read it: the word count
     /// (0: no mask), then the words; made at the first mask and kept (recorded steps point at it).
     token_mask: Mutex<Option<(DeviceBuffer, usize)>>,
@@ -393,7 +412,15 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None) }
+    }
+
+    fn gemv_device(&self) -> GemvDevice {
+        GemvDevice {
+            max_shared: self.rt.max_shared_bytes(),
+            warp_size: self.rt.warp_size(),
+            bf16_mma: self.rt.bf16_gemv_on_matrix_cores() && self.several_sequences.load(Ordering::Relaxed),
+        }
     }
 
     fn decode_state(&self) -> std::sync::MutexGuard<'_, DecodeGraph> {
@@ -461,7 +488,7 @@ impl GpuBackend {
         residual: Option<u64>,
     ) -> Result<()> {
         let w = projs[0].0;
-        let group = w.gemv1_group(norm.is_some(), self.rt.max_shared_bytes(), x.rows).max(1);
+        let group = w.gemv1_group(norm.is_some(), self.gemv_device(), x.rows).max(1);
         let rows: usize = projs.iter().map(|p| p.0.rows).sum();
         let seg = |i: usize| projs.get(i);
         let (norm_w, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.buf.ptr, eps));
@@ -479,9 +506,9 @@ impl GpuBackend {
             args.extend([Arg::Ptr(x.buf.ptr + at(x.cols)), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual), Arg::I32(x.cols as i32)]);
             // An input of several rows takes the several-token kernel even for a last group of one,
             // which gives it the same bits.
-            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows);
+            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, x.rows > 1, self.rt.warp_size());
+            let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(())
@@ -496,7 +523,7 @@ impl GpuBackend {
         if t == 0 {
             return Ok(());
         }
-        if w.gemv1_fits(false, self.rt.max_shared_bytes(), t) {
+        if w.gemv1_fits(false, self.gemv_device(), t) {
             return self.gemv1(x, &[(w, bias, y)], None, residual);
         }
         let common = [Arg::Ptr(x.buf.ptr), Arg::Ptr(bias.map_or(0, |b| b.buf.ptr)), Arg::Ptr(residual.unwrap_or(0)), Arg::Ptr(y)];
@@ -657,7 +684,7 @@ impl GpuBackend {
         Ok(recorded.map_or(0, |p| p + 4))
     }
 
-    /// What the last run of the recorded step left: its logits or its argmax.
+    /// Drops every recorded step (each is recorded again at its next step).
     fn forget_recording(&self) {
         let graphs = std::mem::take(&mut self.decode_state().graphs);
         for exec in graphs.into_iter().flatten().filter_map(|g| g.exec) {
@@ -1129,7 +1156,7 @@ impl Backend for GpuBackend {
             && norm.cols == x.cols
             && projs.iter().all(|p| {
                 p.weight.cols == x.cols
-                    && p.weight.gemv1_fits(true, self.rt.max_shared_bytes(), x.rows)
+                    && p.weight.gemv1_fits(true, self.gemv_device(), x.rows)
                     && p.weight.suffix() == projs[0].weight.suffix()
             });
         if !fused {
@@ -1158,7 +1185,7 @@ impl Backend for GpuBackend {
         let fused = norm.cols == x.cols
             && g.cols == x.cols
             && (u.rows, u.cols) == (g.rows, g.cols)
-            && g.gemv1_fits(true, self.rt.max_shared_bytes(), x.rows)
+            && g.gemv1_fits(true, self.gemv_device(), x.rows)
             && g.suffix() == u.suffix();
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
@@ -1167,7 +1194,7 @@ impl Backend for GpuBackend {
             return self.silu_mul(&gv, &uv);
         }
         let out = self.tensor(x.rows, g.rows)?;
-        let group = g.gemv1_group(true, self.rt.max_shared_bytes(), x.rows).max(1);
+        let group = g.gemv1_group(true, self.gemv_device(), x.rows).max(1);
         for first in (0..x.rows).step_by(group) {
             let tokens = group.min(x.rows - first);
             let at = |cols: usize| (first * cols * 4) as u64;
@@ -1185,11 +1212,11 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows);
+            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
             let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
-            let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, x.rows > 1, self.rt.warp_size());
+            let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(out)
@@ -1466,6 +1493,13 @@ impl Backend for GpuBackend {
         }
         self.adjust_logits(x)?;
         self.launch_draw(x, limit, temperature, u)
+    }
+
+    fn plan_sequences(&self, sequences: usize) {
+        // Recorded steps hold the kernels chosen when they were recorded.
+        if self.several_sequences.swap(sequences > 1, Ordering::Relaxed) != (sequences > 1) {
+            self.forget_recording();
+        }
     }
 
     fn replay_decode(&self, key: usize, token: u32, pos: usize, want: StepOutput) -> Result<bool> {

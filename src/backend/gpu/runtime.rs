@@ -170,6 +170,11 @@ pub trait Runtime: Send + Sync {
     fn max_shared_bytes(&self) -> u32 {
         48 * 1024
     }
+    /// True where the bf16 one-token kernels have a matrix-core form (NVIDIA sm_80+: kernels/linear.hip's
+    /// `gemv1_*_bf16_mma`, launched as the FP8 ones are).
+    fn bf16_gemv_on_matrix_cores(&self) -> bool {
+        false
+    }
     /// True where the kernels were compiled with Hopper's wgmma (NVIDIA sm_90a): the `gemm_wg_*`
     /// kernels exist (kernels/gemm.hip).
     fn has_wgmma(&self) -> bool {
