@@ -457,6 +457,33 @@ pub trait Backend: Send + Sync {
         Ok(false)
     }
 
+    /// A batched step (one token of each of several sequences: `Network::forward` over them) can
+    /// be recorded and replayed as a single step can, one recording per `key` (the sequences'
+    /// slots in row order: each points at its own caches). `replay_batch` queues the pass
+    /// recorded under `key` for these tokens and positions and returns its logits `[rows,
+    /// vocab]` (valid until the next recording), or None when none is recorded.
+    fn replay_batch(&self, _key: &[usize], _tokens: &[u32], _pos: &[usize]) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// Queues `forward` (returning `[rows, vocab]` logits) while recording it under `key`, with
+    /// tokens and positions read from device memory, and returns its logits as `replay_batch`
+    /// does; None, without running `forward`, where recording is not supported.
+    fn record_batch(
+        &self,
+        _key: &[usize],
+        _tokens: &[u32],
+        _pos: &[usize],
+        _vocab: usize,
+        _forward: &mut dyn FnMut() -> Result<Self::Tensor>,
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// The ops that follow act on the `row`-th sequence of a batched step (a recording reads
+    /// that sequence's position from device memory).
+    fn sequence_row(&self, _row: usize) {}
+
     /// The output of the step just replayed or recorded. `mask_changed`: the token mask was set
     /// after the step was queued, so a choice the recording made is made again.
     fn recorded_output(&self, _want: StepOutput, _mask_changed: bool) -> Result<StepResult> {

@@ -207,10 +207,13 @@ fn per_seq<B: Backend, const N: usize>(
     }
     let mut outs = Vec::with_capacity(seqs.len());
     let mut row = 0;
-    for seq in seqs.iter_mut() {
+    for (i, seq) in seqs.iter_mut().enumerate() {
         let part: Vec<B::Tensor> = inputs.iter().map(|x| b.rows(x, row, seq.len)).collect::<Result<_>>()?;
         let part: [B::Tensor; N] = part.try_into().map_err(|_| Error::InvalidArgument("per_seq: input count".into()))?;
-        outs.push(f(part, seq)?);
+        b.sequence_row(i);
+        let out = f(part, seq);
+        b.sequence_row(0);
+        outs.push(out?);
         row += seq.len;
     }
     b.stack_rows(&outs)
@@ -523,6 +526,18 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         if rows.len() == 1 || self.costs.unbatch() {
             return step_one_by_one(self, rows);
         }
+        if !rows.is_sorted_by_key(|r| r.slot) {
+            // Rows by slot: a set of slots decoding together then has one recording, whatever
+            // order its tokens arrived in (each row's result does not depend on its place).
+            let mut order: Vec<usize> = (0..rows.len()).collect();
+            order.sort_by_key(|&i| rows[i].slot);
+            let sorted: Vec<BatchRow> = order.iter().map(|&i| rows[i]).collect();
+            let mut out: Vec<Option<StepResult>> = rows.iter().map(|_| None).collect();
+            for (i, result) in order.into_iter().zip(self.step_batch(&sorted)?) {
+                out[i] = Some(result);
+            }
+            return Ok(out.into_iter().flatten().collect());
+        }
         let began = std::time::Instant::now();
         let mut taken = vec![false; self.slots.len()];
         for row in rows {
@@ -539,17 +554,39 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         }
         self.passes += 1;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-        let mut caches: Vec<Option<&mut Slot<B>>> = self.slots.iter_mut().map(Some).collect();
-        let mut seqs: Vec<Seq<'_, B>> = rows
-            .iter()
-            .map(|r| {
-                let slot = caches[r.slot].take().ok_or_else(|| Error::InvalidArgument("step_batch: slot twice".into()))?;
-                Ok(Seq { start_pos: r.pos, len: 1, cache: &mut slot.cache })
-            })
-            .collect::<Result<_>>()?;
-        let b = &self.backend;
-        let logits = self.model.forward(b, &tokens, &mut seqs, LogitRows::Last)?; // [rows, vocab]
-        drop(seqs);
+        let (b, model, slots) = (&self.backend, &self.model, &mut self.slots);
+        let mut forward = || {
+            let mut caches: Vec<Option<&mut Slot<B>>> = slots.iter_mut().map(Some).collect();
+            let mut seqs: Vec<Seq<'_, B>> = rows
+                .iter()
+                .map(|r| {
+                    let slot = caches[r.slot].take().ok_or_else(|| Error::InvalidArgument("step_batch: slot twice".into()))?;
+                    Ok(Seq { start_pos: r.pos, len: 1, cache: &mut slot.cache })
+                })
+                .collect::<Result<_>>()?;
+            model.forward(b, &tokens, &mut seqs, LogitRows::Last) // [rows, vocab]
+        };
+        // Each set of slots decoding together has its own recording (it points at their caches).
+        let mut recorded = None;
+        if self.recordable {
+            let (key, positions): (Vec<usize>, Vec<usize>) = rows.iter().map(|r| (r.slot, r.pos)).unzip();
+            recorded = match b.replay_batch(&key, &tokens, &positions)? {
+                Some(logits) => Some(logits),
+                None => match b.record_batch(&key, &tokens, &positions, model.config().vocab_size, &mut forward) {
+                    Ok(logits) => logits,
+                    // As in run_step: the driver could not record (nothing ran).
+                    Err(Error::Device(_) | Error::Unsupported(_)) => {
+                        self.recordable = false;
+                        None
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+        }
+        let logits = match recorded {
+            Some(logits) => logits,
+            None => forward()?,
+        };
         let mut out = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             out.push(choose(b, &b.rows(&logits, i, 1)?, row.want)?);

@@ -10,6 +10,7 @@ pub mod runtime;
 
 pub use self::moe::GpuExperts;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -265,23 +266,46 @@ pub struct GpuBackend {
     logit_adjust: Mutex<Option<(DeviceBuffer, usize)>>,
 }
 
-/// The recorded decode steps. While recording, ops read the token and position from `inputs`
-/// (device [token, pos]) instead of taking them as launch arguments, and attention covers the
-/// whole cache, so one recording serves every later step.
+/// The recorded decode steps. While recording, ops read the tokens and positions from `inputs`
+/// instead of taking them as launch arguments, and attention covers the whole cache, so one
+/// recording serves every later step.
 struct DecodeGraph {
     recording: bool,
-    /// Device [token, pos, argmax limit].
+    /// Device [tokens[rows], positions[rows], argmax limit] of the step recorded or replayed
+    /// (room for RECORDED_ROWS rows).
     inputs: Option<DeviceBuffer>,
+    /// Rows of the step being recorded, and the sequence whose ops are being recorded
+    /// (`Backend::sequence_row`): its position is at `inputs` + 4 * (rows + row).
+    rows: usize,
+    row: usize,
     /// One recording per key (a sequence slot of the model: each points at its own caches).
     graphs: Vec<Option<Recorded>>,
     /// The key whose step ran last: `recorded_output` reads its outputs.
     last: usize,
+    /// Batched steps' recordings, by their slots in row order (at most RECORDED_BATCHES).
+    batches: HashMap<Vec<usize>, RecordedBatch>,
     /// Temporaries of the recorded step come from this arena, so the graph holds kernels only,
     /// no allocation nodes. Too small an arena still records (with allocation nodes) and is
     /// resized for the next recording.
     arena: Option<DeviceBuffer>,
     arena_size: usize,
     arena_used: usize,
+}
+
+/// A recorded batched step: its forward pass, which leaves the logits [rows, vocab] in `logits`.
+struct RecordedBatch {
+    /// None once the arena it used was replaced (it is recorded again at its next step).
+    exec: Option<u64>,
+    logits: GpuTensor,
+}
+
+impl DecodeGraph {
+    /// Takes every recording's graph (they point into the arena, or at caches about to change).
+    fn take_execs(&mut self) -> Vec<u64> {
+        let singles = self.graphs.iter_mut().flatten().filter_map(|g| g.exec.take());
+        let batches = self.batches.values_mut().filter_map(|g| g.exec.take());
+        singles.chain(batches).collect()
+    }
 }
 
 /// One recorded step and where it leaves its outputs.
@@ -294,6 +318,11 @@ struct Recorded {
 }
 
 const INITIAL_ARENA: usize = 64 << 20;
+/// Rows a recorded step's inputs have room for (the most sequence slots a model keeps).
+const RECORDED_ROWS: usize = 64;
+/// Batched steps kept recorded (each set of slots decoding together has its own); past this
+/// many, all are dropped and recorded again as they come.
+const RECORDED_BATCHES: usize = 32;
 
 const BLOCK: u32 = 256;
 const GEMV_MAX_T: usize = 8;
@@ -406,8 +435,11 @@ impl GpuBackend {
         let decode = DecodeGraph {
             recording: false,
             inputs: None,
+            rows: 1,
+            row: 0,
             graphs: Vec::new(),
             last: 0,
+            batches: HashMap::new(),
             arena: None,
             arena_size: INITIAL_ARENA,
             arena_used: 0,
@@ -433,12 +465,37 @@ impl GpuBackend {
         d.recording.then(|| d.inputs.as_ref().map(|b| b.ptr)).flatten()
     }
 
-    fn set_inputs(&self, token: u32, pos: usize, want: StepOutput) -> Result<u64> {
+    /// Device pointer of the position of the sequence being recorded (see `DecodeGraph::rows`),
+    /// or None outside a recording.
+    fn recorded_pos(&self) -> Option<u64> {
+        let d = self.decode_state();
+        let inputs = d.inputs.as_ref().filter(|_| d.recording)?.ptr;
+        Some(inputs + 4 * (d.rows + d.row) as u64)
+    }
+
+    /// The inputs buffer, made at its first use.
+    fn inputs_buffer(&self) -> Result<u64> {
         let mut d = self.decode_state();
         if d.inputs.is_none() {
-            d.inputs = Some(DeviceBuffer::new(&self.rt, 12)?);
+            d.inputs = Some(DeviceBuffer::new(&self.rt, 4 * (2 * RECORDED_ROWS + 1))?);
         }
-        let ptr = d.inputs.as_ref().map_or(0, |b| b.ptr);
+        Ok(d.inputs.as_ref().map_or(0, |b| b.ptr))
+    }
+
+    /// A batched step's tokens and positions into the inputs buffer.
+    fn set_batch_inputs(&self, tokens: &[u32], pos: &[usize]) -> Result<u64> {
+        if tokens.len() != pos.len() || tokens.len() > RECORDED_ROWS {
+            return Err(Error::InvalidArgument(format!("a recorded step of {} tokens and {} positions", tokens.len(), pos.len())));
+        }
+        let ptr = self.inputs_buffer()?;
+        let words = tokens.iter().map(|&t| t as i32).chain(pos.iter().map(|&p| p.min(i32::MAX as usize) as i32)).chain([0]);
+        let bytes: Vec<u8> = words.flat_map(i32::to_le_bytes).collect();
+        self.rt.upload(ptr, &bytes)?;
+        Ok(ptr)
+    }
+
+    fn set_inputs(&self, token: u32, pos: usize, want: StepOutput) -> Result<u64> {
+        let ptr = self.inputs_buffer()?;
         let limit = match want {
             StepOutput::Argmax { limit } => limit.min(i32::MAX as usize) as i32,
             // The recording's argmax then reads nothing: the choice is made after the replay.
@@ -448,7 +505,6 @@ impl GpuBackend {
         bytes[..4].copy_from_slice(&(token as i32).to_le_bytes());
         bytes[4..8].copy_from_slice(&(pos as i32).to_le_bytes());
         bytes[8..].copy_from_slice(&limit.to_le_bytes());
-        drop(d);
         self.rt.upload(ptr, &bytes)?;
         Ok(ptr)
     }
@@ -600,7 +656,7 @@ impl GpuBackend {
     fn attend(&self, q: &GpuTensor, cache: &GpuKvCache, start_pos: usize, shape: AttentionShape) -> Result<GpuTensor> {
         let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
         let t = q.rows;
-        let pos_dev = self.recorded_inputs().map(|p| p + 4);
+        let pos_dev = self.recorded_pos();
         let out = self.tensor(t, num_heads * d)?;
         let scale = 1.0 / (d as f32).sqrt();
         let group = num_heads / num_kv_heads;
@@ -676,18 +732,34 @@ impl GpuBackend {
         let end = start_pos
             .checked_add(q.rows)
             .ok_or_else(|| Error::ContextOverflow(format!("{} positions from {start_pos}", q.rows)))?;
-        let recorded = self.recorded_inputs();
+        let recorded = self.recorded_pos();
         if recorded.is_some() && end > cache.capacity {
             return Err(Error::ContextOverflow(format!("position {end} is past the KV cache of {}", cache.capacity)));
         }
         self.grow_cache(cache, end)?;
-        Ok(recorded.map_or(0, |p| p + 4))
+        Ok(recorded.unwrap_or(0))
+    }
+
+    /// A tensor that borrows `t`'s memory.
+    fn view(t: &GpuTensor) -> GpuTensor {
+        GpuTensor { buf: DeviceBuffer { ptr: t.buf.ptr, rt: None }, rows: t.rows, cols: t.cols }
+    }
+
+    fn stop_recording(&self) {
+        let mut d = self.decode_state();
+        (d.recording, d.rows, d.row) = (false, 1, 0);
     }
 
     /// Drops every recorded step (each is recorded again at its next step).
     fn forget_recording(&self) {
-        let graphs = std::mem::take(&mut self.decode_state().graphs);
-        for exec in graphs.into_iter().flatten().filter_map(|g| g.exec) {
+        let stale = {
+            let mut d = self.decode_state();
+            let stale = d.take_execs();
+            d.graphs.clear();
+            d.batches.clear();
+            stale
+        };
+        for exec in stale {
             self.rt.destroy_graph(exec);
         }
     }
@@ -1228,7 +1300,7 @@ impl Backend for GpuBackend {
             return Err(Error::InvalidArgument(format!("norm_rope: width {} and head_dim {d} disagree", x.cols)));
         }
         let freqs = self.rope_freqs(rope)?;
-        let pos_dev = self.recorded_inputs().map_or(0, |p| p + 4);
+        let pos_dev = self.recorded_pos().unwrap_or(0);
         let args = [
             Arg::Ptr(x.buf.ptr),
             Arg::Ptr(norm.map_or(0, |w| w.buf.ptr)),
@@ -1293,7 +1365,7 @@ impl Backend for GpuBackend {
             return Ok(());
         }
         let freqs = self.rope_freqs(rope)?;
-        let pos_dev = self.recorded_inputs().map_or(0, |p| p + 4);
+        let pos_dev = self.recorded_pos().unwrap_or(0);
         let args = [Arg::Ptr(x.buf.ptr), Arg::Ptr(freqs), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(d as i32), Arg::I32(half as i32)];
         // Partial rotary (Qwen3.5) turns only the first 2 * half values of each head.
         let threads = half.next_multiple_of(32) as u32;
@@ -1517,6 +1589,82 @@ impl Backend for GpuBackend {
         Ok(true)
     }
 
+    fn replay_batch(&self, key: &[usize], tokens: &[u32], pos: &[usize]) -> Result<Option<GpuTensor>> {
+        let found = {
+            let d = self.decode_state();
+            d.batches.get(key).and_then(|g| Some((g.exec?, Self::view(&g.logits))))
+        };
+        let Some((exec, logits)) = found else { return Ok(None) };
+        self.set_batch_inputs(tokens, pos)?;
+        self.rt.launch_graph(exec)?;
+        Ok(Some(logits))
+    }
+
+    fn record_batch(
+        &self,
+        key: &[usize],
+        tokens: &[u32],
+        pos: &[usize],
+        vocab: usize,
+        forward: &mut dyn FnMut() -> Result<GpuTensor>,
+    ) -> Result<Option<GpuTensor>> {
+        let old = self.decode_state().batches.remove(key).and_then(|g| g.exec);
+        if let Some(exec) = old {
+            self.rt.destroy_graph(exec);
+        }
+        let rows = tokens.len();
+        // The logits live outside the graph, which ends by copying them there.
+        let bytes = byte_size("batched decode logits", &[rows, vocab, 4])?;
+        let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, bytes)?, rows, cols: vocab };
+        self.set_batch_inputs(tokens, pos)?;
+        {
+            let mut d = self.decode_state();
+            if d.arena.is_none() {
+                let size = d.arena_size;
+                d.arena = Some(DeviceBuffer::new(&self.rt, size)?);
+            }
+            (d.arena_used, d.rows, d.row) = (0, rows, 0);
+        }
+        let Ok(capture) = Capture::begin(self) else {
+            self.stop_recording();
+            return Ok(None);
+        };
+        forward().and_then(|out| {
+            if (out.rows, out.cols) != (rows, vocab) {
+                return Err(Error::InvalidArgument(format!("batched step returned [{}, {}]", out.rows, out.cols)));
+            }
+            self.rt.copy(logits.buf.ptr, out.buf.ptr, bytes)
+        })?;
+        let exec = capture.end()?;
+        // Capturing records without running: run it once now.
+        if let Err(e) = self.rt.launch_graph(exec) {
+            self.rt.destroy_graph(exec);
+            return Err(e);
+        }
+        let view = Self::view(&logits);
+        let mut d = self.decode_state();
+        let mut stale = Vec::new();
+        if d.batches.len() >= RECORDED_BATCHES {
+            stale.extend(d.batches.drain().filter_map(|(_, g)| g.exec));
+        }
+        d.batches.insert(key.to_vec(), RecordedBatch { exec: Some(exec), logits });
+        if d.arena_used > d.arena_size {
+            // As record_decode: every recording points into the old arena.
+            d.arena_size = d.arena_used.saturating_add(d.arena_used / 4);
+            d.arena = None;
+            stale.extend(d.take_execs());
+        }
+        drop(d);
+        for exec in stale {
+            self.rt.destroy_graph(exec);
+        }
+        Ok(Some(view))
+    }
+
+    fn sequence_row(&self, row: usize) {
+        self.decode_state().row = row;
+    }
+
     fn recorded_output(&self, want: StepOutput, mask_changed: bool) -> Result<StepResult> {
         let d = self.decode_state();
         let g = d.graphs.get(d.last).and_then(Option::as_ref).ok_or_else(|| Error::Device("no recorded decode step".into()))?;
@@ -1593,7 +1741,7 @@ impl Backend for GpuBackend {
             // points into the old arena.
             d.arena_size = d.arena_used.saturating_add(d.arena_used / 4);
             d.arena = None;
-            let stale: Vec<u64> = d.graphs.iter_mut().flatten().filter_map(|g| g.exec.take()).collect();
+            let stale = d.take_execs();
             drop(d);
             for exec in stale {
                 self.rt.destroy_graph(exec);
@@ -1621,7 +1769,7 @@ impl<'a> Capture<'a> {
     /// Stops the capture and returns the executable graph of what it recorded.
     fn end(mut self) -> Result<u64> {
         self.open = false;
-        self.backend.decode_state().recording = false;
+        self.backend.stop_recording();
         self.backend.rt.end_capture()
     }
 }
@@ -1629,7 +1777,7 @@ impl<'a> Capture<'a> {
 impl Drop for Capture<'_> {
     fn drop(&mut self) {
         if self.open {
-            self.backend.decode_state().recording = false;
+            self.backend.stop_recording();
             if let Ok(exec) = self.backend.rt.end_capture() {
                 self.backend.rt.destroy_graph(exec);
             }
