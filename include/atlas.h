@@ -97,8 +97,9 @@ const char *atlas_version(void);
 
 // Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
 // "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
-// "draft_max": N, "parallel": N}; unknown keys are an error. `parallel`: requests decoded
-// at once (0 or absent: as the device memory allows; 1 on the CPU).
+// "draft_max": N, "parallel": N, "prefill_chunk": N}; unknown keys are an error. `parallel`:
+// requests decoded at once (0 or absent: as the device memory allows; 1 on the CPU);
+// `prefill_chunk`: prompt positions read per step while others decode (default 512; 0: all).
 // On success `*out_model` holds the handle (release it with atlas_unload).
 //
 // # Safety

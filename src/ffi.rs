@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 use crate::api::{prepare, run, Endpoint, DEFAULT_MAX_REQUEST_BYTES};
-use crate::engine::{Device, Engine, EngineOptions};
+use crate::engine::{Device, Engine, EngineOptions, DEFAULT_PREFILL_CHUNK};
 use crate::Error;
 use handles::{Loaded, Reentry};
 
@@ -127,8 +127,8 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 9] =
-    ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes", "draft_max", "parallel"];
+const OPTION_KEYS: [&str; 10] =
+    ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes", "draft_max", "parallel", "prefill_chunk"];
 
 /// Load options as the C ABI takes them.
 struct LoadOptions {
@@ -170,6 +170,7 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         prefix_cache_bytes: uint("prefix_cache_bytes")?,
         draft_max: uint("draft_max")?.unwrap_or(0),
         parallel: uint("parallel")?.unwrap_or(0),
+        prefill_chunk: uint("prefill_chunk")?.unwrap_or(DEFAULT_PREFILL_CHUNK),
     };
     let max_request_bytes = match uint("max_request_bytes")? {
         Some(0) => return Err(Error::InvalidArgument("option max_request_bytes must be greater than zero".into())),
@@ -189,8 +190,9 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
 /// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
-/// "draft_max": N, "parallel": N}; unknown keys are an error. `parallel`: requests decoded
-/// at once (0 or absent: as the device memory allows; 1 on the CPU).
+/// "draft_max": N, "parallel": N, "prefill_chunk": N}; unknown keys are an error. `parallel`:
+/// requests decoded at once (0 or absent: as the device memory allows; 1 on the CPU);
+/// `prefill_chunk`: prompt positions read per step while others decode (default 512; 0: all).
 /// On success `*out_model` holds the handle (release it with atlas_unload).
 ///
 /// # Safety
@@ -357,12 +359,15 @@ mod tests {
         let opts = parse_options(r#"{"model": "m", "threads": 2, "seed": 5}"#).unwrap();
         assert_eq!((opts.seed, opts.max_request_bytes), (Some(5), DEFAULT_MAX_REQUEST_BYTES));
         assert_eq!(parse_options(r#"{"model": "m", "max_request_bytes": 100}"#).unwrap().max_request_bytes, 100);
+        assert_eq!(opts.engine.prefill_chunk, DEFAULT_PREFILL_CHUNK);
+        assert_eq!(parse_options(r#"{"model": "m", "prefill_chunk": 0}"#).unwrap().engine.prefill_chunk, 0);
         for bad in [
             r#"{"model": 1}"#,
             r#"{"model": "m", "ctx_size": "big"}"#,
             r#"{"model": "m", "typo": 1}"#,
             r#"{"model": "m", "max_request_bytes": 0}"#,
             r#"{"model": "m", "seed": -1}"#,
+            r#"{"model": "m", "prefill_chunk": -2}"#,
             "[]",
         ] {
             assert!(matches!(parse_options(bad), Err(Error::InvalidArgument(_))), "{bad}");

@@ -110,6 +110,9 @@ pub struct BatchStats {
     pub rows: u64,
     /// The most tokens one step carried.
     pub widest: usize,
+    /// Steps a sequence ran by itself between the batched ones: pieces of prompts, checked
+    /// drafts, requests with a token mask or logit biases.
+    pub alone: u64,
 }
 
 impl Shared {
@@ -282,6 +285,7 @@ impl SlotModel {
     }
 
     fn alone(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
+        self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).alone += 1;
         let mut mask = None;
         let result = {
             let mut model = self.model()?;
@@ -446,6 +450,25 @@ mod tests {
 
     fn run(engine: &mut Engine, agent: usize) -> Vec<Generation> {
         (0..3).map(|turn| engine.generate(&request(agent, turn), &mut |_| true).unwrap()).collect()
+    }
+
+    /// On a shared model a long prompt is read in pieces of `prefill_chunk` positions, each a
+    /// step of its own (taking the model in turn, so that the others' decode steps run between
+    /// them), and the answer is the one a model of its own gives, reading it in one step.
+    #[test]
+    fn a_long_prompt_is_read_in_pieces_and_answers_as_in_one_step() {
+        for name in FIXTURES {
+            let request = GenerateRequest { prompt: prompt(3, 150), max_tokens: Some(8), ..request(0, 0) };
+            let expected = load(name, 1).generate(&request, &mut |_| true).unwrap().tokens;
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name);
+            let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(256), parallel: 2, prefill_chunk: 32, ..EngineOptions::new(dir) };
+            let mut engines = Engine::load(&opts, &mut |_| {}).unwrap().split().unwrap();
+            let got = engines[0].generate(&request, &mut |_| true).unwrap().tokens;
+            assert_eq!(got, expected, "{name}");
+            // 150 positions: pieces at 0, 32, 64, 96 and 128, the last with the logits (recurrent
+            // models also end pieces where they keep states).
+            assert!(engines[0].batch_stats().alone >= 5, "{name}: {:?}", engines[0].batch_stats());
+        }
     }
 
     /// Engines of one model on as many threads: every request (greedy, sampled, biased: some run

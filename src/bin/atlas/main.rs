@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use atlas::engine::{default_model_path, Device};
+use atlas::engine::{default_model_path, Device, DEFAULT_PREFILL_CHUNK};
 use atlas::model::LoadProgress;
 use atlas::sampling::SamplingParams;
 use atlas::{Engine, EngineOptions, Error, GenerateRequest, Result};
@@ -163,6 +163,10 @@ pub struct LoadArgs {
     /// "tg{n} xN": N greedy generations at once, all their decode tokens per second.
     #[arg(long, value_name = "N")]
     parallel: Option<usize>,
+    /// With several requests at once: a prompt is read N positions a step, and the others'
+    /// decode steps run between its steps (their streams keep flowing). 0: a prompt in one step.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
 }
 
 impl LoadArgs {
@@ -193,6 +197,7 @@ impl LoadArgs {
             prefix_cache_bytes: self.prefix_cache_bytes(),
             draft_max: self.draft_max,
             parallel: self.parallel.unwrap_or(1),
+            prefill_chunk: self.prefill_chunk,
         })
     }
 
@@ -215,6 +220,7 @@ impl LoadArgs {
             prefix_cache_bytes: self.prefix_cache_bytes(),
             draft_max: self.draft_max,
             parallel: self.parallel.unwrap_or(1),
+            prefill_chunk: self.prefill_chunk,
         })
     }
 
