@@ -17,9 +17,9 @@ use atlas::quant::{DType, QuantMatrix};
 use atlas::{Error, Result};
 
 const LAYERS: usize = 2;
-/// Bytes of device memory whose contents the mock keeps: enough for the recorded decode step's
-/// [token, position, limit], which replays read.
-const KEPT_BYTES: usize = 64;
+/// Bytes of device memory whose contents the mock keeps: enough for the recorded decode steps'
+/// inputs (tokens, positions and limit, room for 64 rows), which replays read.
+const KEPT_BYTES: usize = 1024;
 
 #[derive(Clone)]
 struct Launch {
