@@ -300,6 +300,18 @@ struct RecordedBatch {
 }
 
 impl DecodeGraph {
+    /// After a recording that outgrew the arena: a larger one for the next, and every
+    /// recording's graph to destroy (they point into the old one; each is recorded again at its
+    /// next step, with room for every temporary).
+    fn outgrown(&mut self) -> Vec<u64> {
+        if self.arena_used <= self.arena_size {
+            return Vec::new();
+        }
+        self.arena_size = self.arena_used.saturating_add(self.arena_used / 4);
+        self.arena = None;
+        self.take_execs()
+    }
+
     /// Takes every recording's graph (they point into the arena, or at caches about to change).
     fn take_execs(&mut self) -> Vec<u64> {
         let singles = self.graphs.iter_mut().flatten().filter_map(|g| g.exec.take());
@@ -738,6 +750,17 @@ impl GpuBackend {
         }
         self.grow_cache(cache, end)?;
         Ok(recorded.unwrap_or(0))
+    }
+
+    /// The arena, emptied for a recording of `rows` rows.
+    fn start_arena(&self, rows: usize) -> Result<()> {
+        let mut d = self.decode_state();
+        if d.arena.is_none() {
+            let size = d.arena_size;
+            d.arena = Some(DeviceBuffer::new(&self.rt, size)?);
+        }
+        (d.arena_used, d.rows, d.row) = (0, rows, 0);
+        Ok(())
     }
 
     /// A tensor that borrows `t`'s memory.
@@ -1617,14 +1640,7 @@ impl Backend for GpuBackend {
         let bytes = byte_size("batched decode logits", &[rows, vocab, 4])?;
         let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, bytes)?, rows, cols: vocab };
         self.set_batch_inputs(tokens, pos)?;
-        {
-            let mut d = self.decode_state();
-            if d.arena.is_none() {
-                let size = d.arena_size;
-                d.arena = Some(DeviceBuffer::new(&self.rt, size)?);
-            }
-            (d.arena_used, d.rows, d.row) = (0, rows, 0);
-        }
+        self.start_arena(rows)?;
         let Ok(capture) = Capture::begin(self) else {
             self.stop_recording();
             return Ok(None);
@@ -1648,12 +1664,7 @@ impl Backend for GpuBackend {
             stale.extend(d.batches.drain().filter_map(|(_, g)| g.exec));
         }
         d.batches.insert(key.to_vec(), RecordedBatch { exec: Some(exec), logits });
-        if d.arena_used > d.arena_size {
-            // As record_decode: every recording points into the old arena.
-            d.arena_size = d.arena_used.saturating_add(d.arena_used / 4);
-            d.arena = None;
-            stale.extend(d.take_execs());
-        }
+        stale.extend(d.outgrown());
         drop(d);
         for exec in stale {
             self.rt.destroy_graph(exec);
@@ -1707,14 +1718,7 @@ impl Backend for GpuBackend {
         let logits = GpuTensor { buf: DeviceBuffer::new(&self.rt, logits_bytes)?, rows: 1, cols: vocab };
         let token_out = DeviceBuffer::new(&self.rt, 4)?;
         let inputs = self.set_inputs(token, pos, want)?;
-        {
-            let mut d = self.decode_state();
-            if d.arena.is_none() {
-                let size = d.arena_size;
-                d.arena = Some(DeviceBuffer::new(&self.rt, size)?);
-            }
-            d.arena_used = 0;
-        }
+        self.start_arena(1)?;
         let Ok(capture) = Capture::begin(self) else { return Ok(false) };
         step().and_then(|out| {
             if (out.rows, out.cols) != (1, vocab) {
@@ -1736,16 +1740,10 @@ impl Backend for GpuBackend {
         }
         d.graphs[key] = Some(Recorded { exec: Some(exec), logits, token: token_out });
         d.last = key;
-        if d.arena_used > d.arena_size {
-            // Record again at the next steps, with room for every temporary: every recording
-            // points into the old arena.
-            d.arena_size = d.arena_used.saturating_add(d.arena_used / 4);
-            d.arena = None;
-            let stale = d.take_execs();
-            drop(d);
-            for exec in stale {
-                self.rt.destroy_graph(exec);
-            }
+        let stale = d.outgrown();
+        drop(d);
+        for exec in stale {
+            self.rt.destroy_graph(exec);
         }
         Ok(true)
     }
