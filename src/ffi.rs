@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 use crate::api::{prepare, run, Endpoint, DEFAULT_MAX_REQUEST_BYTES};
-use crate::engine::{Device, Engine, EngineOptions, DEFAULT_PREFILL_CHUNK};
+use crate::engine::{Device, Engine, EngineOptions, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_CHUNK};
 use crate::Error;
 use handles::{Loaded, Reentry};
 
@@ -127,8 +127,19 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 10] =
-    ["model", "device", "ctx_size", "threads", "seed", "max_request_bytes", "prefix_cache_bytes", "draft_max", "parallel", "prefill_chunk"];
+const OPTION_KEYS: [&str; 11] = [
+    "model",
+    "device",
+    "ctx_size",
+    "threads",
+    "seed",
+    "max_request_bytes",
+    "prefix_cache_bytes",
+    "draft_max",
+    "draft_p_min",
+    "parallel",
+    "prefill_chunk",
+];
 
 /// Load options as the C ABI takes them.
 struct LoadOptions {
@@ -169,6 +180,13 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         threads: uint("threads")?.unwrap_or(0),
         prefix_cache_bytes: uint("prefix_cache_bytes")?,
         draft_max: uint("draft_max")?.unwrap_or(0),
+        draft_p_min: match obj.get("draft_p_min") {
+            None | Some(Value::Null) => DEFAULT_DRAFT_P_MIN,
+            Some(x) => x
+                .as_f64()
+                .filter(|p| (0.0..=1.0).contains(p))
+                .ok_or_else(|| Error::InvalidArgument("option draft_p_min must be a number from 0 to 1".into()))? as f32,
+        },
         parallel: uint("parallel")?.unwrap_or(0),
         prefill_chunk: uint("prefill_chunk")?.unwrap_or(DEFAULT_PREFILL_CHUNK),
     };
@@ -190,7 +208,9 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
 /// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
-/// "draft_max": N, "parallel": N, "prefill_chunk": N}; unknown keys are an error. `parallel`:
+/// "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N}; unknown keys are an
+/// error. `draft_p_min`: the least probability of a token the model's own drafting head guesses
+/// (default 0.75); `parallel`:
 /// requests decoded at once (0 or absent: as the device memory allows; 1 on the CPU);
 /// `prefill_chunk`: prompt positions read per step while others decode (default 512; 0: all).
 /// On success `*out_model` holds the handle (release it with atlas_unload).

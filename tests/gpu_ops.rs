@@ -1418,11 +1418,11 @@ fn a_restored_prefix_continues_as_the_live_cache_would() {
     }
 }
 
-/// Speculative decoding on the GPU: greedy answers with prompt-lookup drafts equal those without
-/// on the fixtures (the dense one drafts and has drafts rejected; the hybrid ones, whose random
-/// weights never repeat a passage, draft nothing here: their rollback is tested on the CPU). A
-/// checked step gives every position the logits of single steps (tested above), so this holds
-/// bit for bit, not only where the margins are wide.
+/// Speculative decoding on the GPU: greedy answers with drafts equal those without on the
+/// fixtures (the dense one drafts by prompt lookup and has drafts rejected; the hybrid ones, whose
+/// random weights never repeat a passage, draft with their multi-token-prediction heads, nearly
+/// always wrongly, so their rollback runs too). A checked step gives every position the logits
+/// of single steps (tested above), so this holds bit for bit, not only where the margins are wide.
 #[test]
 fn drafting_on_the_gpu_changes_no_greedy_answer() {
     if gpu().is_none() {
@@ -1431,7 +1431,8 @@ fn drafting_on_the_gpu_changes_no_greedy_answer() {
     let (mut drafted, mut accepted) = (0, 0);
     for name in ["qwen3_untied_gqa", "qwen3_5_tiny", "qwen3_5_moe_tiny"] {
         let load = |draft_max| {
-            Engine::load(&EngineOptions { device: Device::Cuda, ctx_size: Some(512), draft_max, ..EngineOptions::new(fixture(name)) }, &mut |_| {}).unwrap()
+            let opts = EngineOptions { device: Device::Cuda, ctx_size: Some(512), draft_max, draft_p_min: 0.0, ..EngineOptions::new(fixture(name)) };
+            Engine::load(&opts, &mut |_| {}).unwrap()
         };
         let (mut plain, mut spec) = (load(0), load(4));
         for seed in 0..3u32 {
@@ -1447,6 +1448,33 @@ fn drafting_on_the_gpu_changes_no_greedy_answer() {
         }
     }
     assert!(accepted > 0 && drafted > accepted, "{accepted} of {drafted}");
+}
+
+/// The multi-token-prediction head on the GPU drafts what the numpy reference drafts
+/// (tests/fixtures/hybrid_reference.py; golden.json "mtp"), as the CPU does (engine::draft).
+#[test]
+fn the_drafting_head_on_the_gpu_guesses_as_the_reference() {
+    use atlas::model::safetensors::SafetensorsStore;
+    use atlas::model::{Bound, LanguageModel, ModelConfig};
+    for name in ["qwen3_5_tiny", "qwen3_5_vl_tiny", "qwen3_5_moe_tiny"] {
+        let Some(g) = gpu() else { return };
+        let dir = fixture(name);
+        let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let store = SafetensorsStore::open_dir(&dir).unwrap();
+        let mut model = Bound::load(g, config, &store, 256, &mut |_| {}).unwrap();
+        let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let ids = |key: &str| -> Vec<u32> { golden["mtp"][key].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+        let prompt = ids("tokens");
+        assert!(model.can_draft(), "{name}");
+        model.set_drafting(true);
+        let next = model.forward_greedy(&prompt, 0, usize::MAX).unwrap();
+        assert_eq!(next as u64, golden["mtp"]["next"].as_u64().unwrap(), "{name}");
+        let drafts = model.draft(next, prompt.len(), 3, usize::MAX, 0.0).unwrap();
+        // The MoE head's later guesses hang on its router's choice of experts, which the GPU's
+        // bf16 prefill activations can turn where the reference's margins are ~0.1: its first.
+        let checked = if name.contains("moe") { 1 } else { 3 };
+        assert_eq!(drafts[..checked], ids("drafts")[..checked], "{name}: {drafts:?}");
+    }
 }
 
 /// The bf16 and FP8 one-token kernels take up to 8 tokens at once (FP8: one per column of their

@@ -103,7 +103,13 @@ fn the_load_report_says_what_is_not_used() {
     let unused = load("qwen3_5_vl_tiny").report().unused.clone();
     assert!(unused.iter().any(|u| u.contains("vision tower")), "{unused:?}");
     assert!(unused.iter().any(|u| u.contains("mtp.")), "{unused:?}");
-    assert!(load("qwen3_5_tiny").report().unused.is_empty());
+    let unused = load("qwen3_5_tiny").report().unused.clone();
+    assert!(matches!(&unused[..], [head] if head.contains("multi-token-prediction head")), "{unused:?}");
+    // Drafting loads the head: it is used, and the report says so.
+    let opts = EngineOptions { device: Device::Cpu, draft_max: 3, ..EngineOptions::new(fixture("qwen3_5_tiny")) };
+    let report = Engine::load(&opts, &mut |_| {}).unwrap().report().clone();
+    assert!(report.unused.is_empty(), "{:?}", report.unused);
+    assert!(report.notes.iter().any(|n| n.contains("multi-token-prediction head loaded")), "{:?}", report.notes);
 }
 
 #[test]

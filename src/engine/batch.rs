@@ -231,6 +231,7 @@ pub(super) struct SlotModel {
     description: String,
     can_rewind: bool,
     recurrent: bool,
+    can_draft: bool,
     /// What the backend can do on the device (asked once).
     masks_on_device: bool,
     adjusts_on_device: bool,
@@ -256,6 +257,7 @@ impl SlotModel {
             description: model.backend_description(),
             can_rewind: model.can_rewind(),
             recurrent: model.is_recurrent(),
+            can_draft: model.can_draft(),
             masks_on_device,
             adjusts_on_device,
             mask: None,
@@ -361,6 +363,21 @@ impl LanguageModel for SlotModel {
 
     fn finish(&mut self) {
         self.shared.finish(self.slot);
+    }
+
+    fn can_draft(&self) -> bool {
+        self.can_draft
+    }
+
+    fn set_drafting(&mut self, on: bool) {
+        let mut model = self.shared.model();
+        if model.select(self.slot).is_ok() {
+            model.set_drafting(on);
+        }
+    }
+
+    fn draft(&mut self, next: u32, pos: usize, k: usize, limit: usize, p_min: f32) -> Result<Vec<u32>> {
+        self.model()?.draft(next, pos, k, limit, p_min)
     }
 }
 

@@ -1,8 +1,14 @@
-//! Prompt-lookup drafting for speculative decoding: agents repeat code, file contents and tool
+//! Drafting for speculative decoding. Prompt lookup: agents repeat code, file contents and tool
 //! output verbatim, so the tokens that followed the last earlier occurrence of the text's final
-//! few tokens are a good guess at what comes next. The model then checks the guess in one step
-//! (`StepOutput::ArgmaxEach`): every drafted token it would have chosen itself is kept, so greedy
-//! output is the same with drafting as without.
+//! few tokens are a good guess at what comes next. Where the text does not repeat, a model with
+//! a multi-token-prediction head (Qwen3.5 / 3.6, `LanguageModel::draft`) guesses a few tokens
+//! itself. The model then checks the guess in one step (`StepOutput::ArgmaxEach`): every drafted
+//! token it would have chosen itself is kept, so greedy output is the same with drafting as
+//! without.
+
+/// Tokens the multi-token-prediction head drafts a step at most: each guess builds on the last,
+/// and the fourth is rarely right (Qwen publishes its MTP head for 1–3 tokens ahead).
+pub const HEAD_DRAFT_MAX: usize = 3;
 
 /// Longest and shortest suffix looked up, in tokens: a longer match predicts better; a single
 /// token matches too often by chance to be worth a step.
@@ -61,7 +67,8 @@ mod tests {
 
     fn load(name: &str, draft_max: usize) -> Engine {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name);
-        let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(512), draft_max, ..EngineOptions::new(dir) };
+        // Every guess of the fixtures' random heads is drafted (none would be sure enough).
+        let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(512), draft_max, draft_p_min: 0.0, ..EngineOptions::new(dir) };
         Engine::load(&opts, &mut |_| {}).unwrap()
     }
 
@@ -95,6 +102,65 @@ mod tests {
         }
         println!("{accepted} of {drafted} drafted tokens confirmed");
         assert!(accepted > 0 && drafted > accepted, "{accepted} of {drafted} drafts confirmed");
+    }
+
+    /// The multi-token-prediction head of each Qwen3.5 fixture drafts what the numpy reference
+    /// (tests/fixtures/hybrid_reference.py) drafts: after a 12-token prompt, the model's next
+    /// token, then three guesses (every prompt position read by the head first).
+    #[test]
+    fn the_drafting_head_guesses_as_the_reference() {
+        for name in ["qwen3_5_tiny", "qwen3_5_vl_tiny", "qwen3_5_moe_tiny"] {
+            let mut engine = load(name, 3);
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name);
+            let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+            let ids = |key: &str| -> Vec<u32> { golden["mtp"][key].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+            let (prompt, drafts) = (ids("tokens"), ids("drafts"));
+            let model = engine.model.as_mut();
+            assert!(model.can_draft(), "{name}: the head is loaded");
+            model.set_drafting(true);
+            let next = model.forward_greedy(&prompt, 0, usize::MAX).unwrap();
+            assert_eq!(next as u64, golden["mtp"]["next"].as_u64().unwrap(), "{name}");
+            assert_eq!(model.draft(next, prompt.len(), 3, usize::MAX, 0.0).unwrap(), drafts, "{name}");
+            // What it drafts from is read once.
+            assert_eq!(model.draft(next, prompt.len(), 3, usize::MAX, 0.0).unwrap(), Vec::<u32>::new(), "{name}");
+            // A random head is never sure: with a least probability, it guesses nothing.
+            model.forward_greedy(&prompt, 0, usize::MAX).unwrap();
+            assert_eq!(model.draft(next, prompt.len(), 3, usize::MAX, 0.5).unwrap(), Vec::<u32>::new(), "{name}");
+        }
+    }
+
+    /// Without drafting the head is not loaded, and a model without one drafts nothing.
+    #[test]
+    fn the_head_is_loaded_only_to_draft_with() {
+        assert!(!load("qwen3_5_tiny", 0).model.can_draft());
+        let mut engine = load("qwen3_untied_gqa", 4);
+        let model = engine.model.as_mut();
+        model.set_drafting(true);
+        let next = model.forward_greedy(&[1, 2, 3], 0, usize::MAX).unwrap();
+        assert_eq!(model.draft(next, 3, 3, usize::MAX, 0.0).unwrap(), Vec::<u32>::new());
+    }
+
+    /// Greedy answers with the head's drafts (a text that never repeats, so prompt lookup finds
+    /// nothing) are the answers without, on the dense-MLP and MoE hybrids, turn after turn.
+    #[test]
+    fn drafting_with_the_head_changes_no_greedy_answer() {
+        for name in ["qwen3_5_tiny", "qwen3_5_moe_tiny"] {
+            let (mut plain, mut spec) = (load(name, 0), load(name, 3));
+            let (mut drafted, mut accepted) = (0, 0);
+            for seed in 0..3u32 {
+                let prompt: Vec<u32> = (0..20).map(|i| (i * 101 + seed * 29 + 3) % 251).collect();
+                let want = plain.generate_raw(&greedy(prompt.clone(), 40)).unwrap();
+                let got = spec.generate_raw(&greedy(prompt.clone(), 40)).unwrap();
+                assert_eq!(got.tokens, want.tokens, "{name} seed {seed}");
+                (drafted, accepted) = (drafted + got.draft_tokens, accepted + got.draft_accepted);
+                let follow = [prompt, got.tokens, vec![7, 8, 9]].concat();
+                let want = plain.generate_raw(&greedy(follow.clone(), 12)).unwrap();
+                let got = spec.generate_raw(&greedy(follow, 12)).unwrap();
+                assert_eq!(got.tokens, want.tokens, "{name} seed {seed}, follow-up");
+            }
+            println!("{name}: {accepted} of {drafted} drafted tokens confirmed");
+            assert!(drafted > 0, "{name}: the head drafted");
+        }
     }
 
     /// A check with a wrong draft in the middle keeps the drafts before it and the model's own

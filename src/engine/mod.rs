@@ -65,8 +65,13 @@ pub struct EngineOptions {
     /// device memory free after the load, or `DEFAULT_HOST_PREFIX_CACHE` on the CPU.
     pub prefix_cache_bytes: Option<usize>,
     /// Speculative decoding of greedy requests: up to this many tokens drafted by prompt lookup
-    /// (see `draft`) and checked in one step; 0 turns it off.
+    /// (see `draft`), else by the model's multi-token-prediction head (at most
+    /// `draft::HEAD_DRAFT_MAX` of them; the head is loaded only when this is not 0), and
+    /// checked in one step; 0 turns it off.
     pub draft_max: usize,
+    /// The head's guesses stop at the first whose probability is below this (a wrong guess
+    /// costs a longer check, and on recurrent models a step run again).
+    pub draft_p_min: f32,
     /// Sequences decoded together (see `Engine::split`), each with a cache of the whole
     /// context; 0: as many as a quarter of the device memory free after the load holds, at
     /// most `batch::MAX_ROWS` (1 on the CPU).
@@ -83,13 +88,15 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 /// The most sequence slots a model takes (`EngineOptions::parallel`).
 pub const MAX_PARALLEL: usize = 64;
+/// See `EngineOptions::draft_p_min`: llama.cpp's default for its draft models' guesses.
+pub const DEFAULT_DRAFT_P_MIN: f32 = 0.75;
 
 /// The prefix cache's budget where the model runs in host memory.
 pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK }
     }
 }
 
@@ -167,6 +174,7 @@ pub struct Engine {
     batch: Option<Arc<batch::Shared>>,
     /// See `EngineOptions::draft_max`.
     draft_max: usize,
+    draft_p_min: f32,
     /// See `EngineOptions::prefill_chunk`.
     prefill_chunk: usize,
     default_seed: Option<u64>,
@@ -210,8 +218,17 @@ impl Engine {
     fn from_parts(parts: Parts, opts: &EngineOptions, progress: &mut dyn FnMut(LoadProgress)) -> Result<Self> {
         let start = Instant::now();
         let path = &opts.model_dir;
-        let Parts { config, defaults, tokenizer, template, store, unused } = parts;
-        let (ctx_size, notes) = resolve_ctx(opts.ctx_size, &config)?;
+        let Parts { mut config, defaults, tokenizer, template, store, mut unused } = parts;
+        let (ctx_size, mut notes) = resolve_ctx(opts.ctx_size, &config)?;
+        // The multi-token-prediction head costs memory: loaded only to draft with.
+        if let Some(hybrid) = config.hybrid.as_mut().filter(|h| h.mtp_layers > 0) {
+            if opts.draft_max > 0 && store.contains("mtp.fc.weight") {
+                unused.retain(|u| !u.starts_with(MTP_HEAD));
+                notes.push(format!("{MTP_HEAD} loaded: drafts up to {} tokens a step", opts.draft_max.min(draft::HEAD_DRAFT_MAX)));
+            } else {
+                hybrid.mtp_layers = 0;
+            }
+        }
         let mut model = bind(opts, config, store.as_ref(), ctx_size, progress)?;
         let parallel = match opts.parallel {
             0 => default_parallel(model.as_ref(), ctx_size),
@@ -245,6 +262,7 @@ impl Engine {
             prefix,
             batch: None,
             draft_max: opts.draft_max,
+            draft_p_min: opts.draft_p_min,
             prefill_chunk: opts.prefill_chunk,
             default_seed: None,
             report,
@@ -260,7 +278,7 @@ impl Engine {
         if n <= 1 {
             return Ok(vec![self]);
         }
-        let Engine { model, front, prefix, draft_max, prefill_chunk, default_seed, report, grammar_vocab, .. } = self;
+        let Engine { model, front, prefix, draft_max, draft_p_min, prefill_chunk, default_seed, report, grammar_vocab, .. } = self;
         let shared = batch::Shared::new(model);
         (0..n)
             .map(|slot| {
@@ -271,6 +289,7 @@ impl Engine {
                     prefix: prefix.clone(),
                     batch: Some(shared.clone()),
                     draft_max,
+                    draft_p_min,
                     prefill_chunk,
                     default_seed,
                     report: report.clone(),
@@ -620,6 +639,9 @@ impl Engine {
             Ok((token, logprob))
         };
         let mut history = prompt.clone();
+        // The model's own drafting head reads every step of such a request, prompt included.
+        let head_drafts = speculate && self.model.can_draft();
+        self.model.set_drafting(head_drafts);
         // A failed step may leave the cache (recurrent states above all) part-written: forget it.
         let start = self.prefill_in_pieces(prompt).inspect_err(|_| self.cached.clear())?;
         let (mut next, mut next_logprob) = next_token(&mut self.model, &prompt[start..], start).inspect_err(|_| self.cached.clear())?;
@@ -675,7 +697,7 @@ impl Engine {
             }
             let pos = self.cached.len();
             let room = max_tokens - out.tokens.len() - 1;
-            let drafts = if speculate { draft::ngram_draft(&history, self.draft_max.min(room)) } else { Vec::new() };
+            let drafts = if speculate { self.drafts(&history, next, pos, room, limit, head_drafts).inspect_err(|_| self.cached.clear())? } else { Vec::new() };
             if drafts.is_empty() {
                 (next, next_logprob) = next_token(&mut self.model, &[next], pos).inspect_err(|_| self.cached.clear())?;
                 self.cached.push(history[history.len() - 1]);
@@ -700,6 +722,19 @@ impl Engine {
         self.save_prefix();
         out.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
         Ok(out)
+    }
+
+    /// Tokens to check after `next` (chosen for position `pos`), at most `room`: prompt lookup's
+    /// where the text repeats, else the model's drafting head's (with `head`). The head reads
+    /// every step either way, so that its own cache stays whole.
+    fn drafts(&mut self, history: &[u32], next: u32, pos: usize, room: usize, limit: usize, head: bool) -> Result<Vec<u32>> {
+        let found = draft::ngram_draft(history, self.draft_max.min(room));
+        if !head {
+            return Ok(found);
+        }
+        let k = if found.is_empty() { self.draft_max.min(room).min(draft::HEAD_DRAFT_MAX) } else { 0 };
+        let guessed = self.model.draft(next, pos, k, limit, self.draft_p_min)?;
+        Ok(if found.is_empty() { guessed } else { found })
     }
 
     /// Makes the cache hold the longest prefix of `prompt` it can without computing it (the
@@ -878,10 +913,13 @@ pub fn model_format(path: &Path) -> Result<ModelFormat> {
     }
 }
 
+/// How the load report names the `mtp.*` tensors.
+const MTP_HEAD: &str = "multi-token-prediction head";
+
 fn hf_parts(dir: &Path) -> Result<Parts> {
     let tokenizer_path = dir.join("tokenizer.json");
     let store = SafetensorsStore::open_dir(dir)?;
-    let unused = [("model.visual.", "vision tower (text only)"), ("mtp.", "multi-token-prediction head")]
+    let unused = [("model.visual.", "vision tower (text only)"), ("mtp.", MTP_HEAD)]
         .iter()
         .filter_map(|(prefix, what)| match store.count_prefixed(prefix) {
             0 => None,
@@ -1004,6 +1042,15 @@ impl LanguageModel for Noted {
     }
     fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
         self.inner.step_batch(rows)
+    }
+    fn can_draft(&self) -> bool {
+        self.inner.can_draft()
+    }
+    fn set_drafting(&mut self, on: bool) {
+        self.inner.set_drafting(on)
+    }
+    fn draft(&mut self, next: u32, pos: usize, k: usize, limit: usize, p_min: f32) -> Result<Vec<u32>> {
+        self.inner.draft(next, pos, k, limit, p_min)
     }
 }
 

@@ -771,6 +771,8 @@ impl GgufStore {
             value_heads: h.value_heads,
             key_head_dim: h.key_dim,
             value_head_dim: h.value_dim,
+            // llama.cpp's `nextn` tensors (a GGUF's multi-token-prediction head) are not read.
+            mtp_layers: 0,
         })
     }
 

@@ -13,6 +13,8 @@ use crate::{Error, Result};
 // dense model (Llama 3.1 405B: 126 layers, hidden 16384, ffn 53248, 128 heads; Gemma 3: 262144
 // tokens; head_dim 256; Llama 4 Scout: 10M positions).
 pub const MAX_LAYERS: usize = 1024;
+/// Multi-token-prediction layers read (Qwen3.5 / 3.6 ship one).
+pub const MAX_MTP_LAYERS: usize = 8;
 pub const MAX_HIDDEN_SIZE: usize = 1 << 16;
 pub const MAX_INTERMEDIATE_SIZE: usize = 1 << 20;
 pub const MAX_HEADS: usize = 1024;
@@ -79,6 +81,9 @@ pub struct HybridConfig {
     pub value_heads: usize,
     pub key_head_dim: usize,
     pub value_head_dim: usize,
+    /// Decoder layers of the multi-token-prediction head (`mtp_num_hidden_layers`; `mtp.*`
+    /// tensors), 0 when it is absent or not wanted (loaded only for drafting).
+    pub mtp_layers: usize,
 }
 
 impl HybridConfig {
@@ -419,6 +424,7 @@ fn hybrid_config(json: &Value, num_layers: usize) -> Result<HybridConfig> {
         value_heads: req_usize(json, "linear_num_value_heads")?,
         key_head_dim: req_usize(json, "linear_key_head_dim")?,
         value_head_dim: req_usize(json, "linear_value_head_dim")?,
+        mtp_layers: opt_usize(json, "mtp_num_hidden_layers")?.unwrap_or(0).min(MAX_MTP_LAYERS),
     })
 }
 

@@ -7,7 +7,7 @@ use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{Backend, Proj};
 use crate::quant::fp8::select_row_blocks;
 use crate::quant::synthetic::SyntheticMatrix;
-use crate::quant::{QuantMatrix, RowSelection};
+use crate::quant::{ColumnRange, QuantMatrix, RowSelection};
 use crate::Result;
 
 /// A projection's weight and optional bias.
@@ -110,6 +110,24 @@ impl<'a, B: Backend> Loader<'a, B> {
             .collect::<Result<Vec<_>>>()?;
         self.tick(1, bytes);
         Ok(weights)
+    }
+
+    /// A `[rows, cols]` matrix cut into N column blocks of `cols / N` (a projection of N
+    /// concatenated inputs, each part multiplied by its own input).
+    pub fn split_columns<const N: usize>(&mut self, name: &str, rows: usize, cols: usize) -> Result<[B::Weight; N]> {
+        let whole: Arc<dyn QuantMatrix> = Arc::from(self.source.matrix(name, rows, cols)?);
+        let bytes = whole.storage_bytes() as u64;
+        let width = cols / N;
+        let mut parts = Vec::with_capacity(N);
+        for i in 0..N {
+            let part: Box<dyn QuantMatrix> = match whole.synthetic() {
+                Some((seed, scale)) => Box::new(SyntheticMatrix::new(rows, width, seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15), scale, whole.dtype())),
+                None => Box::new(ColumnRange::new(whole.clone(), i * width, width)?),
+            };
+            parts.push(self.backend.upload_weight(part)?);
+        }
+        self.tick(1, bytes);
+        parts.try_into().map_err(|_| crate::Error::InvalidArgument(format!("{name}: {N} column blocks")))
     }
 
     pub fn linear(&mut self, prefix: &str, rows: usize, cols: usize, with_bias: bool) -> Result<Linear<B>> {

@@ -30,9 +30,15 @@ pub enum FeedForward<B: Backend> {
 impl<B: Backend> FeedForward<B> {
     /// Layer `layer`'s `{prefix}` (`model.layers.N.mlp`): sparse where the config says so.
     pub fn load(ld: &mut Loader<'_, B>, prefix: &str, layer: usize, c: &ModelConfig) -> Result<Self> {
+        let sparse = c.moe.as_ref().is_some_and(|moe| moe.sparse_layers.get(layer) == Some(&true));
+        Self::load_kind(ld, prefix, sparse, c)
+    }
+
+    /// `{prefix}` as a sparse (mixture-of-experts) or a dense MLP.
+    pub fn load_kind(ld: &mut Loader<'_, B>, prefix: &str, sparse: bool, c: &ModelConfig) -> Result<Self> {
         let (h, ffn, bias) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
         match &c.moe {
-            Some(moe) if moe.sparse_layers.get(layer) == Some(&true) => Ok(FeedForward::Sparse(SparseMoe::load(ld, prefix, h, moe)?)),
+            Some(moe) if sparse => Ok(FeedForward::Sparse(SparseMoe::load(ld, prefix, h, moe)?)),
             _ => Ok(FeedForward::Dense(Mlp {
                 gate_proj: ld.linear(&format!("{prefix}.gate_proj"), ffn, h, bias)?,
                 up_proj: ld.linear(&format!("{prefix}.up_proj"), ffn, h, bias)?,

@@ -5,6 +5,7 @@ mod loader;
 pub mod mlp;
 pub mod qwen3;
 pub mod qwen3_5;
+mod qwen3_5_mtp;
 pub mod safetensors;
 pub mod synthetic;
 pub mod weights;
@@ -106,6 +107,22 @@ pub trait LanguageModel: Send {
     /// The sequence in the selected slot takes no further steps for now: batching stops
     /// waiting for it.
     fn finish(&mut self) {}
+
+    /// Whether the model's own multi-token-prediction head is loaded (see `draft`).
+    fn can_draft(&self) -> bool {
+        false
+    }
+    /// Whether the selected slot's steps keep what `draft` needs (their final hidden states);
+    /// while on, its single-token steps run without recorded graphs.
+    fn set_drafting(&mut self, _on: bool) {}
+    /// Up to `k` tokens guessed by the multi-token-prediction head to follow `next`, the token
+    /// chosen for position `pos` by the selected slot's last step (which ended at `pos`): each
+    /// the largest of the first `limit` logits, until one whose probability is below `p_min`.
+    /// The head's cache is first brought up to `pos` (`k = 0` does only that). Empty when that
+    /// step kept nothing to draft from.
+    fn draft(&mut self, _next: u32, _pos: usize, _k: usize, _limit: usize, _p_min: f32) -> Result<Vec<u32>> {
+        Ok(Vec::new())
+    }
 }
 
 /// `step_batch` as single steps, slot by slot (the same results).
@@ -185,6 +202,27 @@ pub trait Network<B: Backend>: Send + Sync {
     /// of each sequence's last position (`[seqs, vocab_size]`, on the backend) or of every
     /// position (`[T, vocab_size]`).
     fn forward(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<B::Tensor>;
+    /// The multi-token-prediction head, where the network has one loaded.
+    fn draft_head(&self) -> Option<&dyn DraftHead<B>> {
+        None
+    }
+}
+
+/// A network's multi-token-prediction head (Qwen3.5 / 3.6 `mtp.*`, see `qwen3_5_mtp`): it
+/// drafts tokens for speculative decoding from the network's final hidden states.
+pub trait DraftHead<B: Backend> {
+    /// Its decoder layers; their caches follow the network's own in `Network::new_cache`.
+    fn draft_layers(&self) -> usize;
+    /// `Network::forward` (the same logits) that also returns every position's final hidden
+    /// state, `[T, H]`.
+    fn forward_hidden(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<(B::Tensor, B::Tensor)>;
+    /// The head's layer `depth % draft_layers` over `hidden` (`[T, H]`: hidden states of
+    /// positions `seq.start_pos..`, the network's or the head's own), each row with the token
+    /// that follows its position (`next`); returns the head's hidden states `[T, H]`, whose
+    /// logits guess the token after that, and which are fed back with it for the next guess.
+    fn draft_step(&self, b: &B, hidden: &B::Tensor, next: &[u32], seq: &mut Seq<'_, B>, depth: usize) -> Result<B::Tensor>;
+    /// The network's head on `x` `[T, H]`: `[T, vocab]`.
+    fn draft_logits(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor>;
 }
 
 /// One sequence of a forward pass: `len` tokens at `start_pos..` of `cache` (one per layer).
@@ -284,6 +322,33 @@ struct Slot<B: Backend> {
     /// The position the recurrent states have reached (None after a failed step: they must
     /// start again). Models without recurrent layers ignore it.
     recurrent_at: Option<usize>,
+    /// See `LanguageModel::set_drafting`.
+    drafting: bool,
+    /// The last step's final hidden states, until the drafting head has read them.
+    held: Option<Held<B>>,
+    /// Where a recorded single-token step leaves its final hidden state `[1, H]` (made at the
+    /// first such step): `held` is then a view of it, read before the next replay.
+    hidden_row: Option<B::Tensor>,
+}
+
+impl<B: Backend> Slot<B> {
+    fn new(cache: Vec<LayerCache<B>>) -> Self {
+        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, hidden_row: None }
+    }
+}
+
+/// A step's final hidden states `[T, H]`, of positions `start..start + tokens.len()`, and the
+/// tokens it ran: the drafting head pairs each row with the token at the next position.
+struct Held<B: Backend> {
+    hidden: B::Tensor,
+    start: usize,
+    tokens: Vec<u32>,
+}
+
+impl<B: Backend> Held<B> {
+    fn end(&self) -> usize {
+        self.start + self.tokens.len()
+    }
 }
 
 pub struct Bound<B: Backend> {
@@ -350,7 +415,7 @@ impl<B: Backend + 'static> Bound<B> {
         let model = load_network(config, source, &backend, progress)?;
         let cache = model.new_cache(&backend, ctx_size)?;
         let recurrent = cache.iter().any(|c| matches!(c, LayerCache::Recurrent { .. }));
-        let slots = vec![Slot { cache, recurrent_at: Some(0) }];
+        let slots = vec![Slot::new(cache)];
         Ok(Bound { backend, model, slots, current: 0, recurrent, ctx_size, passes: 0, recordable: true, costs: StepCosts::default() })
     }
 
@@ -472,6 +537,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         let slot = &mut self.slots[self.current];
         // A half-written cache is no state to continue from.
         slot.recurrent_at = None;
+        slot.held = None;
         for piece in pieces {
             let layers = piece
                 .layers
@@ -508,7 +574,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             let cache = self.model.new_cache(&self.backend, self.ctx_size).map_err(|e| {
                 Error::Device(format!("the cache of sequence {} of {n} ({} positions) does not fit: {e}", self.slots.len() + 1, self.ctx_size))
             })?;
-            self.slots.push(Slot { cache, recurrent_at: Some(0) });
+            self.slots.push(Slot::new(cache));
         }
         self.current = self.current.min(n - 1);
         Ok(())
@@ -592,12 +658,62 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             out.push(choose(b, &b.rows(&logits, i, 1)?, row.want)?);
         }
         for row in rows {
-            self.slots[row.slot].recurrent_at = Some(row.pos + 1);
+            let slot = &mut self.slots[row.slot];
+            slot.recurrent_at = Some(row.pos + 1);
+            slot.held = None;
         }
         StepCosts::note(&mut self.costs.batched, began.elapsed().as_secs_f64() / rows.len() as f64);
         self.costs.batches = self.costs.batches.saturating_add(1);
         Ok(out)
     }
+
+    fn can_draft(&self) -> bool {
+        self.model.draft_head().is_some()
+    }
+
+    fn set_drafting(&mut self, on: bool) {
+        let slot = &mut self.slots[self.current];
+        slot.drafting = on && self.model.draft_head().is_some();
+        if !slot.drafting {
+            slot.held = None;
+        }
+    }
+
+    fn draft(&mut self, next: u32, pos: usize, k: usize, limit: usize, p_min: f32) -> Result<Vec<u32>> {
+        let Some(head) = self.model.draft_head() else { return Ok(Vec::new()) };
+        let b = &self.backend;
+        let slot = &mut self.slots[self.current];
+        // The hidden state of position pos - 1 is where the drafts start from.
+        let Some(held) = slot.held.take().filter(|h| h.start < pos && pos <= h.end()) else { return Ok(Vec::new()) };
+        let mut g = catch_up(b, head, &mut slot.cache, &held, pos, next)?; // [rows, H]
+        let mut drafts = Vec::with_capacity(k);
+        // The head's guess after position pos - 1 + depth, fed back for the next.
+        for depth in 0..k {
+            let last = b.last_row(&g)?;
+            let logits = head.draft_logits(b, &last)?;
+            let Some(&(best, value)) = b.top_k(&logits, 1, limit)?.first() else { break };
+            if p_min > 0.0 && (value - b.log_partition(&logits, limit, 1.0)?.raw).exp() < p_min {
+                break;
+            }
+            drafts.push(best);
+            if depth + 1 == k || pos + depth >= self.ctx_size {
+                break;
+            }
+            let mut seq = Seq { start_pos: pos + depth, len: 1, cache: &mut slot.cache };
+            g = head.draft_step(b, &last, &drafts[depth..], &mut seq, depth + 1)?;
+        }
+        Ok(drafts)
+    }
+}
+
+/// Runs the drafting head over `held`'s rows up to position `pos` (each with the token that
+/// followed it; `next` at `pos`), writing its cache there; returns its hidden states.
+fn catch_up<B: Backend>(b: &B, head: &dyn DraftHead<B>, cache: &mut [LayerCache<B>], held: &Held<B>, pos: usize, next: u32) -> Result<B::Tensor> {
+    let len = pos - held.start;
+    let rows = b.rows(&held.hidden, 0, len)?;
+    let following: Vec<u32> = held.tokens[1..len].iter().copied().chain([next]).collect();
+    let mut seq = Seq { start_pos: held.start, len, cache };
+    head.draft_step(b, &rows, &following, &mut seq, 0)
 }
 
 impl<B: Backend + 'static> Bound<B> {
@@ -607,13 +723,36 @@ impl<B: Backend + 'static> Bound<B> {
         let vocab = self.model.config().vocab_size;
         let every_row = matches!(want, StepOutput::AllLogits | StepOutput::ArgmaxEach { .. });
         let current = self.current;
+        let head = self.model.draft_head().filter(|_| self.slots[current].drafting);
+        if let Some(head) = head {
+            // The previous step's last rows pair with this step's first token.
+            let slot = &mut self.slots[current];
+            if let Some(held) = slot.held.take().filter(|h| h.end() == start_pos) {
+                catch_up(&self.backend, head, &mut slot.cache, &held, start_pos, tokens[0])?;
+            }
+        }
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable && !every_row) {
             let (b, model) = (&self.backend, &self.model);
-            let mut seqs = [Seq { start_pos, len: 1, cache: &mut self.slots[current].cache }];
-            // Each slot has its own recording: it points at that slot's caches.
-            let queued = b.replay_decode(current, *token, start_pos, want)? || {
-                let mut step = || model.forward(b, tokens, &mut seqs, LogitRows::Last);
-                match b.record_decode(current, *token, start_pos, vocab, want, &mut step) {
+            let hidden_width = model.config().hidden_size;
+            let slot = &mut self.slots[current];
+            if head.is_some() && slot.hidden_row.is_none() {
+                slot.hidden_row = Some(b.upload_vector(&vec![0.0; hidden_width])?);
+            }
+            let (cache, hidden_row) = (&mut slot.cache, &mut slot.hidden_row);
+            let mut seqs = [Seq { start_pos, len: 1, cache }];
+            // Each slot has its own recordings (they point at its caches), one keeping the
+            // final hidden state for the drafting head and one not.
+            let key = 2 * current + usize::from(head.is_some());
+            let queued = b.replay_decode(key, *token, start_pos, want)? || {
+                let mut step = || match (head, hidden_row.as_mut()) {
+                    (Some(head), Some(row)) => {
+                        let (hidden, logits) = head.forward_hidden(b, tokens, &mut seqs, LogitRows::Last)?;
+                        b.restore_tensor(&hidden, row)?;
+                        Ok(logits)
+                    }
+                    _ => model.forward(b, tokens, &mut seqs, LogitRows::Last),
+                };
+                match b.record_decode(key, *token, start_pos, vocab, want, &mut step) {
                     Ok(recorded) => recorded,
                     // The driver could not record this step (nothing ran): run it, and the
                     // later ones, without a graph. Errors of the request itself are returned.
@@ -625,15 +764,32 @@ impl<B: Backend + 'static> Bound<B> {
                 }
             };
             if queued {
+                let slot = &mut self.slots[current];
+                slot.held = match (head, &slot.hidden_row) {
+                    (Some(_), Some(row)) => Some(Held { hidden: self.backend.rows(row, 0, 1)?, start: start_pos, tokens: vec![*token] }),
+                    _ => None,
+                };
                 let mask_changed = set_mask(&self.backend, meanwhile)?;
                 return self.backend.recorded_output(want, mask_changed);
             }
         }
         self.passes += 1;
         let (b, model) = (&self.backend, &self.model);
-        let mut seqs = [Seq { start_pos, len: tokens.len(), cache: &mut self.slots[current].cache }];
+        let slot = &mut self.slots[current];
         let rows = if every_row { LogitRows::All } else { LogitRows::Last };
-        let logits = model.forward(b, tokens, &mut seqs, rows)?;
+        let logits = match head {
+            Some(head) => {
+                let mut seqs = [Seq { start_pos, len: tokens.len(), cache: &mut slot.cache }];
+                let (hidden, logits) = head.forward_hidden(b, tokens, &mut seqs, rows)?;
+                slot.held = Some(Held { hidden, start: start_pos, tokens: tokens.to_vec() });
+                logits
+            }
+            None => {
+                slot.held = None;
+                let mut seqs = [Seq { start_pos, len: tokens.len(), cache: &mut slot.cache }];
+                model.forward(b, tokens, &mut seqs, rows)?
+            }
+        };
         set_mask(b, meanwhile)?;
         choose(b, &logits, want)
     }

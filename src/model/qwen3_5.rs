@@ -19,7 +19,8 @@ use super::loader::Loader;
 use super::mlp::FeedForward;
 use super::qwen3::inv_freq;
 use super::weights::{LoadProgress, WeightSource};
-use super::{per_seq, LayerCache, LogitRows, Network, Seq};
+use super::qwen3_5_mtp::Mtp;
+use super::{per_seq, DraftHead, LayerCache, LogitRows, Network, Seq};
 use crate::backend::{AttentionShape, Backend, DeltaShape, QkNorms, Rope};
 use crate::{Error, Result};
 
@@ -52,7 +53,7 @@ enum Mixer<B: Backend> {
     Attention(GatedAttention<B>),
 }
 
-struct DecoderLayer<B: Backend> {
+pub(super) struct DecoderLayer<B: Backend> {
     input_layernorm: B::Tensor,
     mixer: Mixer<B>,
     post_attention_layernorm: B::Tensor,
@@ -67,6 +68,8 @@ pub struct Qwen35<B: Backend> {
     norm: B::Tensor,
     lm_head: Option<B::Weight>,
     rope: Rope,
+    /// The multi-token-prediction head, loaded when drafting wants it (`hybrid.mtp_layers`).
+    mtp: Option<Mtp<B>>,
 }
 
 impl<B: Backend> Qwen35<B> {
@@ -89,12 +92,8 @@ impl<B: Backend> Qwen35<B> {
                 LayerKind::DeltaNet => Mixer::DeltaNet(load_delta_net(&mut ld, &format!("{p}.linear_attn"), c, &hybrid)?),
                 LayerKind::Attention => Mixer::Attention(load_attention(&mut ld, &format!("{p}.self_attn"), c)?),
             };
-            layers.push(DecoderLayer {
-                input_layernorm: ld.centred_norm(&format!("{p}.input_layernorm.weight"), h)?,
-                mixer,
-                post_attention_layernorm: ld.centred_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                mlp: FeedForward::load(&mut ld, &format!("{p}.mlp"), i, c)?,
-            });
+            let mlp = FeedForward::load(&mut ld, &format!("{p}.mlp"), i, c)?;
+            layers.push(DecoderLayer::load(&mut ld, &p, mixer, mlp, h)?);
         }
         let norm = ld.centred_norm("model.norm.weight", h)?;
         let lm_head = if c.tie_word_embeddings || !source.contains("lm_head.weight") {
@@ -102,8 +101,9 @@ impl<B: Backend> Qwen35<B> {
         } else {
             Some(ld.matrix("lm_head.weight", c.vocab_size, h)?)
         };
+        let mtp = if hybrid.mtp_layers > 0 { Some(Mtp::load(&mut ld, c, hybrid.mtp_layers)?) } else { None };
         let rope = Rope { head_dim: c.head_dim, inv_freq: inv_freq(c) };
-        Ok(Qwen35 { config, hybrid, embed_tokens, layers, norm, lm_head, rope })
+        Ok(Qwen35 { config, hybrid, embed_tokens, layers, norm, lm_head, rope, mtp })
     }
 
     fn delta_shape(&self) -> DeltaShape {
@@ -125,6 +125,24 @@ fn load_delta_net<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig, 
         norm: ld.vector(&format!("{p}.norm.weight"), hy.value_head_dim)?,
         out_proj: ld.matrix(&format!("{p}.out_proj.weight"), h, vd)?,
     })
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    fn load(ld: &mut Loader<'_, B>, p: &str, mixer: Mixer<B>, mlp: FeedForward<B>, h: usize) -> Result<Self> {
+        Ok(DecoderLayer {
+            input_layernorm: ld.centred_norm(&format!("{p}.input_layernorm.weight"), h)?,
+            mixer,
+            post_attention_layernorm: ld.centred_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            mlp,
+        })
+    }
+
+    /// A gated-attention layer `{p}` (`mtp.layers.N`) whose MLP is sparse when `sparse`.
+    pub(super) fn load_attention(ld: &mut Loader<'_, B>, p: &str, sparse: bool, c: &ModelConfig) -> Result<Self> {
+        let mixer = Mixer::Attention(load_attention(ld, &format!("{p}.self_attn"), c)?);
+        let mlp = FeedForward::load_kind(ld, &format!("{p}.mlp"), sparse, c)?;
+        Self::load(ld, p, mixer, mlp, c.hidden_size)
+    }
 }
 
 fn load_attention<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig) -> Result<GatedAttention<B>> {
@@ -152,12 +170,15 @@ impl<B: Backend> Network<B> for Qwen35<B> {
         &self.config
     }
 
+    /// One cache per decoder layer, then one per multi-token-prediction layer.
     fn new_cache(&self, b: &B, capacity: usize) -> Result<Vec<LayerCache<B>>> {
         let hy = &self.hybrid;
         let conv_state = (hy.conv_kernel - 1) * hy.conv_dim();
         let delta_state = self.delta_shape().state_len();
+        let mtp_layers = self.mtp.iter().flat_map(|m| &m.layers);
         self.layers
             .iter()
+            .chain(mtp_layers)
             .map(|layer| {
                 Ok(match layer.mixer {
                     Mixer::DeltaNet(_) => LayerCache::Recurrent {
@@ -171,39 +192,91 @@ impl<B: Backend> Network<B> for Qwen35<B> {
     }
 
     fn forward(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<B::Tensor> {
-        let c = &self.config;
-        let eps = c.rms_norm_eps;
-        let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+        let x = self.decoder(b, tokens, seqs)?;
+        let x = b.rms_norm(&rows.of(b, x, seqs)?, &self.norm, self.config.rms_norm_eps)?; // [seqs, H], or [T, H] for every position
+        self.head(b, &x)
+    }
+
+    fn draft_head(&self) -> Option<&dyn DraftHead<B>> {
+        self.mtp.as_ref().map(|_| self as &dyn DraftHead<B>)
+    }
+}
+
+impl<B: Backend> DraftHead<B> for Qwen35<B> {
+    fn draft_layers(&self) -> usize {
+        self.mtp.as_ref().map_or(0, |m| m.layers.len())
+    }
+
+    fn forward_hidden(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<(B::Tensor, B::Tensor)> {
+        let eps = self.config.rms_norm_eps;
+        let x = self.decoder(b, tokens, seqs)?;
+        let hidden = b.rms_norm(&x, &self.norm, eps)?; // [T, H]
+        // The logits as `forward` computes them, to the bit.
+        let logits = self.head(b, &b.rms_norm(&rows.of(b, x, seqs)?, &self.norm, eps)?)?;
+        Ok((hidden, logits))
+    }
+
+    fn draft_step(&self, b: &B, hidden: &B::Tensor, next: &[u32], seq: &mut Seq<'_, B>, depth: usize) -> Result<B::Tensor> {
+        let mtp = self.mtp.as_ref().ok_or_else(|| Error::InvalidArgument("a draft from a model without its multi-token-prediction head".into()))?;
+        let eps = self.config.rms_norm_eps;
+        let layer = depth % mtp.layers.len();
+        let mut x = mtp.input(b, &b.embed(&self.embed_tokens, next)?, hidden, eps)?; // [T, H]
+        mtp.layers[layer].forward(b, &mut x, std::slice::from_mut(seq), self.layers.len() + layer, self)?;
+        b.rms_norm(&x, mtp.norm(), eps)
+    }
+
+    fn draft_logits(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        self.head(b, x)
+    }
+}
+
+impl<B: Backend> Qwen35<B> {
+    /// The decoder layers over `tokens`: the residual stream before the final norm, `[T, H]`.
+    fn decoder(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>]) -> Result<B::Tensor> {
         let mut x = b.embed(&self.embed_tokens, tokens)?; // [T, H]
         for (l, layer) in self.layers.iter().enumerate() {
-            let norm = &layer.input_layernorm;
-            match &layer.mixer {
-                Mixer::DeltaNet(net) => {
-                    let projs = [&net.in_proj_qkv, &net.in_proj_z, &net.in_proj_b, &net.in_proj_a].map(|w| crate::backend::Proj { weight: w, bias: None });
-                    let [qkv, z, beta, a] = b.norm_linears(&x, norm, eps, projs)?; // [T, C], [T, Hv·dv], [T, Hv] twice
-                    // [T, Hv·dv], each sequence from its own states
-                    let o = per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| {
-                        let (conv_state, state) = seq.cache[l].recurrent()?;
-                        let qkv = b.conv1d_silu(&qkv, &net.conv1d, conv_state)?; // [T, C]
-                        b.gated_delta_rule(&qkv, &a, &beta, &net.a_log, &net.dt_bias, state, self.delta_shape())
-                    })?;
-                    let o = b.gated_rms_norm(&o, &z, &net.norm, eps)?;
-                    b.linear_add(&o, &net.out_proj, None, &mut x)?; // x += out_proj(o)
-                }
-                Mixer::Attention(attn) => {
-                    let projs = [&attn.q_proj, &attn.q_gate, &attn.k_proj, &attn.v_proj].map(|w| crate::backend::Proj { weight: w, bias: None });
-                    let [q, gate, k, v] = b.norm_linears(&x, norm, eps, projs)?; // [T, heads·d] twice, [T, kv_heads·d] twice
-                    let mut o = per_seq(b, [q, k, v], seqs, |[q, k, v], seq| {
-                        let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
-                        b.rotary_attention(q, k, &v, norms, &self.rope, seq.cache[l].kv()?, seq.start_pos, shape)
-                    })?;
-                    b.sigmoid_gate(&mut o, &gate)?; // o *= σ(gate)
-                    b.linear_add(&o, &attn.o_proj, None, &mut x)?; // x += o_proj(o)
-                }
-            }
-            layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))
+            layer.forward(b, &mut x, seqs, l, self)?;
         }
-        let x = b.rms_norm(&rows.of(b, x, seqs)?, &self.norm, eps)?; // [seqs, H], or [T, H] for every position
-        b.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+        Ok(x)
+    }
+
+    fn head(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        b.linear(x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None) // [rows, vocab]
+    }
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// `x = x + mixer(norm(x))`, then `x = x + mlp(norm(x))`; the mixer reads and writes each
+    /// sequence's cache of layer `l`.
+    fn forward(&self, b: &B, x: &mut B::Tensor, seqs: &mut [Seq<'_, B>], l: usize, model: &Qwen35<B>) -> Result<()> {
+        let c = &model.config;
+        let eps = c.rms_norm_eps;
+        let norm = &self.input_layernorm;
+        match &self.mixer {
+            Mixer::DeltaNet(net) => {
+                let projs = [&net.in_proj_qkv, &net.in_proj_z, &net.in_proj_b, &net.in_proj_a].map(|w| crate::backend::Proj { weight: w, bias: None });
+                let [qkv, z, beta, a] = b.norm_linears(x, norm, eps, projs)?; // [T, C], [T, Hv·dv], [T, Hv] twice
+                // [T, Hv·dv], each sequence from its own states
+                let o = per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| {
+                    let (conv_state, state) = seq.cache[l].recurrent()?;
+                    let qkv = b.conv1d_silu(&qkv, &net.conv1d, conv_state)?; // [T, C]
+                    b.gated_delta_rule(&qkv, &a, &beta, &net.a_log, &net.dt_bias, state, model.delta_shape())
+                })?;
+                let o = b.gated_rms_norm(&o, &z, &net.norm, eps)?;
+                b.linear_add(&o, &net.out_proj, None, x)?; // x += out_proj(o)
+            }
+            Mixer::Attention(attn) => {
+                let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+                let projs = [&attn.q_proj, &attn.q_gate, &attn.k_proj, &attn.v_proj].map(|w| crate::backend::Proj { weight: w, bias: None });
+                let [q, gate, k, v] = b.norm_linears(x, norm, eps, projs)?; // [T, heads·d] twice, [T, kv_heads·d] twice
+                let mut o = per_seq(b, [q, k, v], seqs, |[q, k, v], seq| {
+                    let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
+                    b.rotary_attention(q, k, &v, norms, &model.rope, seq.cache[l].kv()?, seq.start_pos, shape)
+                })?;
+                b.sigmoid_gate(&mut o, &gate)?; // o *= σ(gate)
+                b.linear_add(&o, &attn.o_proj, None, x)?; // x += o_proj(o)
+            }
+        }
+        self.mlp.forward_add(b, x, &self.post_attention_layernorm, eps) // x += mlp(norm(x))
     }
 }

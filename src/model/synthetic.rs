@@ -126,7 +126,7 @@ fn qwen36(name: &str) -> Option<ModelConfig> {
             shared_expert_intermediate_size: 512,
             sparse_layers: vec![true; layers],
         }),
-        hybrid: Some(HybridConfig { layer_kinds, conv_kernel: 4, key_heads, value_heads, key_head_dim: 128, value_head_dim: 128 }),
+        hybrid: Some(HybridConfig { layer_kinds, conv_kernel: 4, key_heads, value_heads, key_head_dim: 128, value_head_dim: 128, mtp_layers: 1 }),
         bos_token_id: None,
         eos_token_ids: vec![248_046],
     })
@@ -188,7 +188,9 @@ impl WeightSource for SyntheticSource {
 
     fn tensor_count(&self) -> usize {
         let experts = self.config.moe.as_ref().map_or(0, |m| 3 * m.num_experts + 5);
-        self.config.num_layers * (11 + experts) + 3
+        // The multi-token-prediction head: fc and three norms, then its layers.
+        let head = self.config.hybrid.as_ref().map_or(0, |h| h.mtp_layers * (11 + experts) + 4);
+        self.config.num_layers * (11 + experts) + 3 + head
     }
 }
 

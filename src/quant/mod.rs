@@ -137,6 +137,44 @@ impl QuantMatrix for RowSelection {
     }
 }
 
+/// A range of columns of a matrix: one input's part of a projection of concatenated inputs
+/// (`[a; b] · Wᵀ = a · W_aᵀ + b · W_bᵀ`).
+#[derive(Debug)]
+pub struct ColumnRange {
+    inner: std::sync::Arc<dyn QuantMatrix>,
+    start: usize,
+    len: usize,
+}
+
+impl ColumnRange {
+    pub fn new(inner: std::sync::Arc<dyn QuantMatrix>, start: usize, len: usize) -> crate::Result<Self> {
+        if start.checked_add(len).is_none_or(|end| end > inner.cols()) {
+            return Err(crate::Error::InvalidArgument(format!("columns {start}..+{len} of a matrix of {} columns", inner.cols())));
+        }
+        Ok(ColumnRange { inner, start, len })
+    }
+}
+
+impl QuantMatrix for ColumnRange {
+    fn rows(&self) -> usize {
+        self.inner.rows()
+    }
+    fn cols(&self) -> usize {
+        self.len
+    }
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn storage_bytes(&self) -> usize {
+        self.inner.storage_bytes() / self.inner.cols().max(1) * self.len
+    }
+    fn dequant_row(&self, row: usize, out: &mut [f32]) {
+        let mut whole = vec![0f32; self.inner.cols()];
+        self.inner.dequant_row(row, &mut whole);
+        out.copy_from_slice(&whole[self.start..self.start + self.len]);
+    }
+}
+
 /// Dot product with a fixed summation order (eight interleaved partial sums, then a fixed tree), so
 /// results are reproducible and the compiler can vectorise the loop.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -158,6 +196,18 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_column_range_holds_those_columns_of_every_row() {
+        let data: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let whole: std::sync::Arc<dyn QuantMatrix> = std::sync::Arc::new(DenseMatrix::new(3, 4, DenseData::F32(data)));
+        let right = ColumnRange::new(whole.clone(), 1, 3).unwrap();
+        let mut row = [f32::NAN; 3];
+        right.dequant_row(2, &mut row);
+        assert_eq!((right.rows(), right.cols(), row), (3, 3, [9.0, 10.0, 11.0]));
+        assert!(ColumnRange::new(whole.clone(), 2, 3).is_err());
+        assert!(ColumnRange::new(whole, usize::MAX, 2).is_err());
+    }
 
     #[test]
     fn dot_matches_f64_sum() {

@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use atlas::engine::{default_model_path, Device, DEFAULT_PREFILL_CHUNK};
+use atlas::engine::{default_model_path, Device, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_CHUNK};
 use atlas::model::LoadProgress;
 use atlas::sampling::SamplingParams;
 use atlas::{Engine, EngineOptions, Error, GenerateRequest, Result};
@@ -153,9 +153,15 @@ pub struct LoadArgs {
     prefix_cache: Option<usize>,
     /// Speculative decoding of greedy requests (temperature 0, no grammar, penalties or logprobs):
     /// up to N tokens guessed from earlier text (prompt lookup: what followed the last earlier
-    /// occurrence of the latest few tokens) and checked by the model in one step. 0: off.
+    /// occurrence of the latest few tokens), else by the model's own multi-token-prediction head
+    /// (Qwen3.5 / 3.6 `mtp.*`, loaded with this; at most 3), and checked by the model in one
+    /// step. The answer is the same token for token. 0: off.
     #[arg(long, value_name = "N", default_value_t = 0)]
     draft_max: usize,
+    /// The least probability of a token the multi-token-prediction head guesses: its guesses
+    /// stop at the first below it (a wrong guess makes the check longer).
+    #[arg(long, value_name = "P", default_value_t = DEFAULT_DRAFT_P_MIN)]
+    draft_p_min: f32,
     /// Requests decoded at once, each with a cache of the whole context (allocated at the load):
     /// their decode steps run as one batched step, which reads the weights once for all of them.
     /// 0: as many as a quarter of the GPU memory free after the load holds, at most 8. Default: 0
@@ -196,6 +202,7 @@ impl LoadArgs {
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
             draft_max: self.draft_max,
+            draft_p_min: self.draft_p_min,
             parallel: self.parallel.unwrap_or(1),
             prefill_chunk: self.prefill_chunk,
         })
@@ -219,6 +226,7 @@ impl LoadArgs {
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
             draft_max: self.draft_max,
+            draft_p_min: self.draft_p_min,
             parallel: self.parallel.unwrap_or(1),
             prefill_chunk: self.prefill_chunk,
         })
