@@ -112,8 +112,8 @@ pub trait LanguageModel: Send {
     fn can_draft(&self) -> bool {
         false
     }
-    /// Whether the selected slot's steps keep what `draft` needs (their final hidden states);
-    /// while on, its single-token steps run without recorded graphs.
+    /// Whether the selected slot's steps keep what `draft` needs (their final hidden states; a
+    /// recorded single-token step copies its own out).
     fn set_drafting(&mut self, _on: bool) {}
     /// Up to `k` tokens guessed by the multi-token-prediction head to follow `next`, the token
     /// chosen for position `pos` by the selected slot's last step (which ended at `pos`): each
@@ -210,13 +210,12 @@ pub trait Network<B: Backend>: Send + Sync {
 
 /// A network's multi-token-prediction head (Qwen3.5 / 3.6 `mtp.*`, see `qwen3_5_mtp`): it
 /// drafts tokens for speculative decoding from the network's final hidden states.
+/// Its layers' caches follow the network's own in `Network::new_cache`.
 pub trait DraftHead<B: Backend> {
-    /// Its decoder layers; their caches follow the network's own in `Network::new_cache`.
-    fn draft_layers(&self) -> usize;
     /// `Network::forward` (the same logits) that also returns every position's final hidden
     /// state, `[T, H]`.
     fn forward_hidden(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<(B::Tensor, B::Tensor)>;
-    /// The head's layer `depth % draft_layers` over `hidden` (`[T, H]`: hidden states of
+    /// The head's layer `depth` (modulo its layers) over `hidden` (`[T, H]`: hidden states of
     /// positions `seq.start_pos..`, the network's or the head's own), each row with the token
     /// that follows its position (`next`); returns the head's hidden states `[T, H]`, whose
     /// logits guess the token after that, and which are fed back with it for the next guess.

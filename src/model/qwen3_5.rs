@@ -203,10 +203,6 @@ impl<B: Backend> Network<B> for Qwen35<B> {
 }
 
 impl<B: Backend> DraftHead<B> for Qwen35<B> {
-    fn draft_layers(&self) -> usize {
-        self.mtp.as_ref().map_or(0, |m| m.layers.len())
-    }
-
     fn forward_hidden(&self, b: &B, tokens: &[u32], seqs: &mut [Seq<'_, B>], rows: LogitRows) -> Result<(B::Tensor, B::Tensor)> {
         let eps = self.config.rms_norm_eps;
         let x = self.decoder(b, tokens, seqs)?;
