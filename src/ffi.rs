@@ -381,6 +381,8 @@ mod tests {
         assert_eq!(parse_options(r#"{"model": "m", "max_request_bytes": 100}"#).unwrap().max_request_bytes, 100);
         assert_eq!(opts.engine.prefill_chunk, DEFAULT_PREFILL_CHUNK);
         assert_eq!(parse_options(r#"{"model": "m", "prefill_chunk": 0}"#).unwrap().engine.prefill_chunk, 0);
+        assert_eq!(opts.engine.draft_p_min, DEFAULT_DRAFT_P_MIN);
+        assert_eq!(parse_options(r#"{"model": "m", "draft_p_min": 0.5}"#).unwrap().engine.draft_p_min, 0.5);
         for bad in [
             r#"{"model": 1}"#,
             r#"{"model": "m", "ctx_size": "big"}"#,
@@ -388,6 +390,8 @@ mod tests {
             r#"{"model": "m", "max_request_bytes": 0}"#,
             r#"{"model": "m", "seed": -1}"#,
             r#"{"model": "m", "prefill_chunk": -2}"#,
+            r#"{"model": "m", "draft_p_min": 1.5}"#,
+            r#"{"model": "m", "draft_p_min": "high"}"#,
             "[]",
         ] {
             assert!(matches!(parse_options(bad), Err(Error::InvalidArgument(_))), "{bad}");
