@@ -100,8 +100,8 @@ impl<'a, B: Backend> Loader<'a, B> {
                     (Some(m), _) => Box::new(m),
                     // Benchmark weights are made where they are used: a part is made the same way.
                     (None, Some((seed, scale))) => {
-                        let part_seed = seed ^ (part.first().copied().unwrap_or(0) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                        Box::new(SyntheticMatrix::new(part.len(), cols, part_seed, scale, whole.dtype()))
+                        let seed = part_seed(seed, part.first().copied().unwrap_or(0) as u64);
+                        Box::new(SyntheticMatrix::new(part.len(), cols, seed, scale, whole.dtype()))
                     }
                     (None, None) => Box::new(RowSelection::new(whole.clone(), part)?),
                 };
@@ -121,7 +121,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         let mut parts = Vec::with_capacity(N);
         for i in 0..N {
             let part: Box<dyn QuantMatrix> = match whole.synthetic() {
-                Some((seed, scale)) => Box::new(SyntheticMatrix::new(rows, width, seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15), scale, whole.dtype())),
+                Some((seed, scale)) => Box::new(SyntheticMatrix::new(rows, width, part_seed(seed, i as u64 + 1), scale, whole.dtype())),
                 None => Box::new(ColumnRange::new(whole.clone(), i * width, width)?),
             };
             parts.push(self.backend.upload_weight(part)?);
@@ -137,6 +137,11 @@ impl<'a, B: Backend> Loader<'a, B> {
     }
 }
 
+
+/// The seed of a part of a synthetic (benchmark) matrix: made the same way, other values.
+fn part_seed(seed: u64, part: u64) -> u64 {
+    seed ^ part.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
 
 /// More layers than the weights hold is refused before anything is sized by the layer count.
 /// Fewer are accepted, as transformers does: running a prefix of a checkpoint's layers is a
