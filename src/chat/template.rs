@@ -11,7 +11,11 @@ use std::borrow::Cow;
 use std::fmt;
 use std::io;
 use std::path::Path;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
 
+use minijinja::machinery::Token;
 use minijinja::syntax::SyntaxConfig;
 use minijinja::value::{Kwargs, Rest, Serde, ValueKind};
 use minijinja::{AutoEscape, Environment, ErrorKind, Output, State, Value};
@@ -51,6 +55,20 @@ const RECURSION_LIMIT: usize = 250;
 pub const MAX_RENDER_BYTES: usize = 64 << 20;
 /// Nesting of the values `tojson` and `string` print (a template can nest lists in a loop).
 const MAX_VALUE_DEPTH: usize = 128;
+/// The largest template source accepted (real chat templates are under 50 KB).
+const MAX_TEMPLATE_BYTES: usize = 1 << 20;
+/// The most tokens one tag (`{{ ... }}`, `{% ... %}`) may hold. minijinja compiles an operator
+/// chain by recursion, one stack frame pair per operator, and constant-folds it with a walk from
+/// every node (quadratic in the chain): a 1 MB `{{ 1+1+...}}` overflowed the stack of the thread
+/// that loaded it, and 16 KB of `x[:][:]...` took 10 s to render. The longest tag of the real
+/// templates in tests/ is under 100 tokens.
+const MAX_TAG_TOKENS: usize = 512;
+/// A render that runs longer than this ends in an error. Fuel bounds the instructions a
+/// template runs, but minijinja's lazy sequences (a slice of a slice of ..., `l + l` doubled)
+/// iterate inside one instruction for free: 95 bytes of template kept a render busy for 44 s.
+/// Such a render is abandoned: the request fails now, its thread finishes on its own, and while
+/// one abandoned render is still running no other starts (`ABANDONED_RENDERS`).
+const RENDER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A compiled chat template together with the special tokens transformers passes to it.
 pub struct ChatTemplate {
@@ -72,6 +90,7 @@ impl ChatTemplate {
     /// `source`: the Jinja text. `bos_token`/`eos_token`: the strings passed to the template as
     /// bos_token/eos_token ("" when None).
     pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self> {
+        check_template_size(source)?;
         let env = build_environment(rewrite_generation_tags(source).into_owned())?;
         Ok(ChatTemplate {
             env,
@@ -157,25 +176,74 @@ impl ChatTemplate {
         let fuel = RENDER_FUEL.saturating_add(RENDER_FUEL_PER_BYTE.saturating_mul(counter.written as u64));
         let mut env = self.env.clone();
         env.set_fuel(Some(fuel.min(MAX_RENDER_FUEL)));
-        let render = || {
-            let template = env.get_template(TEMPLATE_NAME).map_err(template_error)?;
-            let mut out = LimitedWriter::new(MAX_RENDER_BYTES);
-            let rendered = template.render_captured_to(Serde(&ctx), &mut out).map(drop);
-            break_namespace_cycles();
-            match rendered {
-                Ok(()) => String::from_utf8(out.buf).map_err(|e| Error::Template(format!("the template wrote invalid UTF-8: {e}"))),
-                Err(_) if out.exceeded => Err(too_large("the rendered prompt")),
-                Err(err) => Err(template_error(err)),
+        render_with_deadline(env, ctx, RENDER_DEADLINE, &ABANDONED_RENDERS)
+    }
+}
+
+/// How many renders that passed their deadline are still running.
+static ABANDONED_RENDERS: AtomicUsize = AtomicUsize::new(0);
+
+/// Renders on a thread of its own: its stack holds the deepest value the fuel can build, and the
+/// caller stops waiting after `deadline` (see RENDER_DEADLINE). `abandoned` counts the renders
+/// that passed it and still run (ABANDONED_RENDERS).
+fn render_with_deadline(
+    env: Environment<'static>,
+    ctx: serde_json::Map<String, serde_json::Value>,
+    deadline: std::time::Duration,
+    abandoned: &'static AtomicUsize,
+) -> Result<String> {
+    if abandoned.load(Ordering::Acquire) > 0 {
+        return Err(Error::Template(format!(
+            "an earlier render of a chat template ran past its time limit ({deadline:?}) and is \
+             still running; no other render starts until it ends"
+        )));
+    }
+    // 0: running, 1: finished, 2: abandoned by the caller.
+    let state = Arc::new(AtomicU8::new(0));
+    let thread_state = state.clone();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let render = move || {
+        let result = render_now(&env, &ctx);
+        if thread_state.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            abandoned.fetch_sub(1, Ordering::AcqRel);
+        }
+        let _ = sender.send(result);
+    };
+    let thread = std::thread::Builder::new().name("atlas-template".into()).stack_size(RENDER_STACK_BYTES);
+    // Rendering on the caller's stack instead could overflow it (a fault no handler can report).
+    let handle = thread.spawn(render).map_err(|e| {
+        Error::Template(format!("cannot start the chat template's render thread ({RENDER_STACK_BYTES} bytes of stack): {e}"))
+    })?;
+    match receiver.recv_timeout(deadline) {
+        Ok(result) => result,
+        Err(RecvTimeoutError::Disconnected) => match handle.join() {
+            Err(panic) => std::panic::resume_unwind(panic),
+            Ok(()) => Err(Error::Template("the chat template's render thread ended without a result".into())),
+        },
+        Err(RecvTimeoutError::Timeout) => {
+            // Counted before it is marked, so that the thread's own decrement never comes first.
+            abandoned.fetch_add(1, Ordering::AcqRel);
+            if state.compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return Err(Error::Template(format!(
+                    "the chat template ran longer than {deadline:?}, the limit of one render"
+                )));
             }
-        };
-        std::thread::scope(|scope| {
-            let thread = std::thread::Builder::new().name("atlas-template".into()).stack_size(RENDER_STACK_BYTES);
-            match thread.spawn_scoped(scope, render) {
-                Ok(handle) => handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                // No thread to be had (address space, limits): render here, with this stack.
-                Err(_) => render(),
-            }
-        })
+            // It finished just now.
+            abandoned.fetch_sub(1, Ordering::AcqRel);
+            receiver.recv().map_err(|_| Error::Template("the chat template's render thread ended without a result".into()))?
+        }
+    }
+}
+
+fn render_now(env: &Environment<'static>, ctx: &serde_json::Map<String, serde_json::Value>) -> Result<String> {
+    let template = env.get_template(TEMPLATE_NAME).map_err(template_error)?;
+    let mut out = LimitedWriter::new(MAX_RENDER_BYTES);
+    let rendered = template.render_captured_to(Serde(ctx), &mut out).map(drop);
+    break_namespace_cycles();
+    match rendered {
+        Ok(()) => String::from_utf8(out.buf).map_err(|e| Error::Template(format!("the template wrote invalid UTF-8: {e}"))),
+        Err(_) if out.exceeded => Err(too_large("the rendered prompt")),
+        Err(err) => Err(template_error(err)),
     }
 }
 
@@ -266,15 +334,45 @@ fn too_large_in_template(what: &str) -> minijinja::Error {
     )
 }
 
+/// jinja2 as transformers configures it.
+fn syntax() -> Result<SyntaxConfig> {
+    SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(template_error)
+}
+
+/// Refuses a template too large to compile in bounded time and stack (see MAX_TAG_TOKENS). A
+/// syntax error is left for the compiler to report.
+fn check_template_size(source: &str) -> Result<()> {
+    if source.len() > MAX_TEMPLATE_BYTES {
+        return Err(Error::Template(format!(
+            "the chat template is {} bytes; the limit is {MAX_TEMPLATE_BYTES}",
+            source.len()
+        )));
+    }
+    let mut in_tag = 0usize;
+    for token in minijinja::machinery::tokenize(source, false, syntax()?) {
+        let Ok((token, span)) = token else { break };
+        match token {
+            Token::VariableStart | Token::BlockStart => in_tag = 1,
+            Token::VariableEnd | Token::BlockEnd => in_tag = 0,
+            _ if in_tag > 0 => {
+                in_tag += 1;
+                if in_tag > MAX_TAG_TOKENS {
+                    return Err(Error::Template(format!(
+                        "the chat template's tag on line {} has more than {MAX_TAG_TOKENS} tokens",
+                        span.start_line
+                    )));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 fn build_environment(source: String) -> Result<Environment<'static>> {
     let mut env = Environment::new();
     env.set_recursion_limit(RECURSION_LIMIT);
-    let syntax = SyntaxConfig::builder()
-        .trim_blocks(true)
-        .lstrip_blocks(true)
-        .build()
-        .map_err(template_error)?;
-    env.set_syntax(syntax);
+    env.set_syntax(syntax()?);
     env.set_auto_escape_callback(|_| AutoEscape::None);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_formatter(python_formatter);
@@ -1468,6 +1566,51 @@ mod tests {
             assert!(t.elapsed().as_secs() < 10, "{source} took {:?}", t.elapsed());
         }
         assert!(start.elapsed().as_secs() < 30);
+    }
+
+    /// Templates whose compilation would take unbounded time or stack are refused before it.
+    #[test]
+    fn templates_too_large_to_compile_are_refused() {
+        let chain = format!("{{{{ 1{} }}}}", "+1".repeat(500_000));
+        let err = ChatTemplate::new(&chain, None, None).unwrap_err().to_string();
+        assert!(err.contains("more than 512 tokens"), "{err}");
+        let slices = format!("{{{{ x{} }}}}", "[:]".repeat(5_000));
+        let err = ChatTemplate::new(&slices, None, None).unwrap_err().to_string();
+        assert!(err.contains("line 1 has more than 512 tokens"), "{err}");
+        let statement = format!("{{% set y = 1{} %}}", "+1".repeat(600));
+        assert!(ChatTemplate::new(&statement, None, None).is_err());
+        let huge = format!("{{# {} #}}", "x".repeat(MAX_TEMPLATE_BYTES));
+        let err = ChatTemplate::new(&huge, None, None).unwrap_err().to_string();
+        assert!(err.contains("the limit is 1048576"), "{err}");
+        // Many short tags are fine, and text outside tags is not counted.
+        let long = format!("{}{}", "{{ 1+1+1 }}".repeat(10_000), "text ".repeat(10_000));
+        assert!(ChatTemplate::new(&long, None, None).is_ok());
+        assert!(render_str(&format!("{{{{ 1{} }}}}", "+1".repeat(250)), json!({})).unwrap() == "251");
+    }
+
+    /// A render that outlives its deadline fails at once; while it runs on, others are refused,
+    /// and once it ends they run again. The hostile template nests 12,000 lazy slices over a
+    /// range: fuel counts the loop, not the 3,000 x 12,000 steps of `length`.
+    #[test]
+    fn a_render_past_its_deadline_is_abandoned() {
+        static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+        let hang = "{% set ns = namespace(x=range(3000)) %}{% for i in range(12000) %}{% set ns.x = ns.x[:] %}{% endfor %}{{ ns.x|length }}";
+        let render = |source: &str, deadline_ms: u64| {
+            let mut env = build_environment(source.to_string()).unwrap();
+            env.set_fuel(Some(RENDER_FUEL));
+            render_with_deadline(env, serde_json::Map::new(), std::time::Duration::from_millis(deadline_ms), &ABANDONED)
+        };
+        let start = std::time::Instant::now();
+        let err = render(hang, 50).unwrap_err().to_string();
+        assert!(err.contains("ran longer than 50ms"), "{err}");
+        assert!(start.elapsed().as_millis() < 1_000);
+        let err = render("fine", 1_000).unwrap_err().to_string();
+        assert!(err.contains("still running"), "{err}");
+        while ABANDONED.load(Ordering::Acquire) > 0 {
+            assert!(start.elapsed().as_secs() < 120, "the abandoned render never ended");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(render("fine", 1_000).unwrap(), "fine");
     }
 
     /// The budget grows with the request: a long real conversation still renders.
