@@ -67,7 +67,8 @@ const MAX_TAG_TOKENS: usize = 512;
 /// template runs, but minijinja's lazy sequences (a slice of a slice of ..., `l + l` doubled)
 /// iterate inside one instruction for free: 95 bytes of template kept a render busy for 44 s.
 /// Such a render is abandoned: the request fails now, its thread finishes on its own, and while
-/// one abandoned render is still running no other starts (`ABANDONED_RENDERS`).
+/// an abandoned render of a template is still running no other render of it starts (so a hostile
+/// template holds at most one core; other models' templates are not held up).
 const RENDER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A compiled chat template together with the special tokens transformers passes to it.
@@ -75,6 +76,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Renders of this template that passed their deadline and still run.
+    abandoned: Arc<AtomicUsize>,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -96,6 +99,7 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.unwrap_or_default(),
             eos_token: eos_token.unwrap_or_default(),
+            abandoned: Arc::default(),
         })
     }
 
@@ -176,21 +180,18 @@ impl ChatTemplate {
         let fuel = RENDER_FUEL.saturating_add(RENDER_FUEL_PER_BYTE.saturating_mul(counter.written as u64));
         let mut env = self.env.clone();
         env.set_fuel(Some(fuel.min(MAX_RENDER_FUEL)));
-        render_with_deadline(env, ctx, RENDER_DEADLINE, &ABANDONED_RENDERS)
+        render_with_deadline(env, ctx, RENDER_DEADLINE, &self.abandoned)
     }
 }
 
-/// How many renders that passed their deadline are still running.
-static ABANDONED_RENDERS: AtomicUsize = AtomicUsize::new(0);
-
 /// Renders on a thread of its own: its stack holds the deepest value the fuel can build, and the
 /// caller stops waiting after `deadline` (see RENDER_DEADLINE). `abandoned` counts the renders
-/// that passed it and still run (ABANDONED_RENDERS).
+/// of the same template that passed it and still run.
 fn render_with_deadline(
     env: Environment<'static>,
     ctx: serde_json::Map<String, serde_json::Value>,
     deadline: std::time::Duration,
-    abandoned: &'static AtomicUsize,
+    abandoned: &Arc<AtomicUsize>,
 ) -> Result<String> {
     if abandoned.load(Ordering::Acquire) > 0 {
         return Err(Error::Template(format!(
@@ -201,11 +202,12 @@ fn render_with_deadline(
     // 0: running, 1: finished, 2: abandoned by the caller.
     let state = Arc::new(AtomicU8::new(0));
     let thread_state = state.clone();
+    let thread_abandoned = abandoned.clone();
     let (sender, receiver) = std::sync::mpsc::channel();
     let render = move || {
         let result = render_now(&env, &ctx);
         if thread_state.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            abandoned.fetch_sub(1, Ordering::AcqRel);
+            thread_abandoned.fetch_sub(1, Ordering::AcqRel);
         }
         let _ = sender.send(result);
     };
@@ -1588,17 +1590,17 @@ mod tests {
         assert!(render_str(&format!("{{{{ 1{} }}}}", "+1".repeat(250)), json!({})).unwrap() == "251");
     }
 
-    /// A render that outlives its deadline fails at once; while it runs on, others are refused,
-    /// and once it ends they run again. The hostile template nests 12,000 lazy slices over a
+    /// A render that outlives its deadline fails at once; while it runs on, other renders of the
+    /// same template are refused (another template's are not), and once it ends they run again. The hostile template nests 12,000 lazy slices over a
     /// range: fuel counts the loop, not the 3,000 x 12,000 steps of `length`.
     #[test]
     fn a_render_past_its_deadline_is_abandoned() {
-        static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+        let abandoned = Arc::new(AtomicUsize::new(0));
         let hang = "{% set ns = namespace(x=range(3000)) %}{% for i in range(12000) %}{% set ns.x = ns.x[:] %}{% endfor %}{{ ns.x|length }}";
         let render = |source: &str, deadline_ms: u64| {
             let mut env = build_environment(source.to_string()).unwrap();
             env.set_fuel(Some(RENDER_FUEL));
-            render_with_deadline(env, serde_json::Map::new(), std::time::Duration::from_millis(deadline_ms), &ABANDONED)
+            render_with_deadline(env, serde_json::Map::new(), std::time::Duration::from_millis(deadline_ms), &abandoned)
         };
         let start = std::time::Instant::now();
         let err = render(hang, 50).unwrap_err().to_string();
@@ -1606,7 +1608,9 @@ mod tests {
         assert!(start.elapsed().as_millis() < 1_000);
         let err = render("fine", 1_000).unwrap_err().to_string();
         assert!(err.contains("still running"), "{err}");
-        while ABANDONED.load(Ordering::Acquire) > 0 {
+        let other = build_environment("other".into()).unwrap();
+        assert_eq!(render_with_deadline(other, serde_json::Map::new(), std::time::Duration::from_secs(5), &Arc::default()).unwrap(), "other");
+        while abandoned.load(Ordering::Acquire) > 0 {
             assert!(start.elapsed().as_secs() < 120, "the abandoned render never ended");
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
