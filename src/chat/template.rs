@@ -199,17 +199,12 @@ fn render_with_deadline(
              still running; no other render starts until it ends"
         )));
     }
-    // 0: running, 1: finished, 2: abandoned by the caller.
-    let state = Arc::new(AtomicU8::new(0));
-    let thread_state = state.clone();
-    let thread_abandoned = abandoned.clone();
+    let state = Arc::new(AtomicU8::new(RUNNING));
+    let finish = RenderEnd { state: state.clone(), abandoned: abandoned.clone() };
     let (sender, receiver) = std::sync::mpsc::channel();
     let render = move || {
-        let result = render_now(&env, &ctx);
-        if thread_state.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            thread_abandoned.fetch_sub(1, Ordering::AcqRel);
-        }
-        let _ = sender.send(result);
+        let _finish = finish;
+        let _ = sender.send(render_now(&env, &ctx));
     };
     let thread = std::thread::Builder::new().name("atlas-template".into()).stack_size(RENDER_STACK_BYTES);
     // Rendering on the caller's stack instead could overflow it (a fault no handler can report).
@@ -225,7 +220,7 @@ fn render_with_deadline(
         Err(RecvTimeoutError::Timeout) => {
             // Counted before it is marked, so that the thread's own decrement never comes first.
             abandoned.fetch_add(1, Ordering::AcqRel);
-            if state.compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            if state.compare_exchange(RUNNING, ABANDONED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return Err(Error::Template(format!(
                     "the chat template ran longer than {deadline:?}, the limit of one render"
                 )));
@@ -233,6 +228,26 @@ fn render_with_deadline(
             // It finished just now.
             abandoned.fetch_sub(1, Ordering::AcqRel);
             receiver.recv().map_err(|_| Error::Template("the chat template's render thread ended without a result".into()))?
+        }
+    }
+}
+
+/// The states of a render thread.
+const RUNNING: u8 = 0;
+const FINISHED: u8 = 1;
+const ABANDONED: u8 = 2;
+
+/// Marks a render thread's end, however it ends (a panic too): the count of abandoned renders
+/// drops when an abandoned one ends.
+struct RenderEnd {
+    state: Arc<AtomicU8>,
+    abandoned: Arc<AtomicUsize>,
+}
+
+impl Drop for RenderEnd {
+    fn drop(&mut self) {
+        if self.state.compare_exchange(RUNNING, FINISHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            self.abandoned.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
