@@ -211,12 +211,9 @@ fn render_with_deadline(
     let handle = thread.spawn(render).map_err(|e| {
         Error::Template(format!("cannot start the chat template's render thread ({RENDER_STACK_BYTES} bytes of stack): {e}"))
     })?;
-    match receiver.recv_timeout(deadline) {
-        Ok(result) => result,
-        Err(RecvTimeoutError::Disconnected) => match handle.join() {
-            Err(panic) => std::panic::resume_unwind(panic),
-            Ok(()) => Err(Error::Template("the chat template's render thread ended without a result".into())),
-        },
+    let received = match receiver.recv_timeout(deadline) {
+        Ok(result) => return result,
+        Err(RecvTimeoutError::Disconnected) => Err(std::sync::mpsc::RecvError),
         Err(RecvTimeoutError::Timeout) => {
             // Counted before it is marked, so that the thread's own decrement never comes first.
             abandoned.fetch_add(1, Ordering::AcqRel);
@@ -227,9 +224,14 @@ fn render_with_deadline(
             }
             // It finished just now.
             abandoned.fetch_sub(1, Ordering::AcqRel);
-            receiver.recv().map_err(|_| Error::Template("the chat template's render thread ended without a result".into()))?
+            receiver.recv()
         }
-    }
+    };
+    // No result: the render panicked (passed on) or ended otherwise.
+    received.unwrap_or_else(|_| match handle.join() {
+        Err(panic) => std::panic::resume_unwind(panic),
+        Ok(()) => Err(Error::Template("the chat template's render thread ended without a result".into())),
+    })
 }
 
 /// The states of a render thread.
