@@ -345,25 +345,25 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int e = tid + i * GEMM_THREADS, r = e >> 3, c = 8 * (e & 7), t = t0 + r;
-                cp_async16(x_tile(j) + wg_swizzle(r, c), xb + (long)min(t, T - 1) * K + k0 + c, t < T ? 16 : 0);
-                if (!FP8) cp_async16(w_tile(j) + wg_swizzle(r, c), (const bf16*)W + (long)(n0 + r) * K + k0 + c, 16);
+                async_copy16(x_tile(j) + wg_swizzle(r, c), xb + (long)min(t, T - 1) * K + k0 + c, t < T);
+                if (!FP8) async_copy16(w_tile(j) + wg_swizzle(r, c), (const bf16*)W + (long)(n0 + r) * K + k0 + c, true);
             }
             if (FP8) {
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
-                    cp_async16(raw + j * GWG_RAW + r * GWG_BK + c, W + (long)(n0 + r) * K + k0 + c, 16);
+                    async_copy16(raw + j * GWG_RAW + r * GWG_BK + c, W + (long)(n0 + r) * K + k0 + c, true);
                 }
                 if (tid == 0)
-                    cp_async4(raw_scale + j, scales + (n0 / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK) + k0 / FP8_BLOCK);
+                    async_copy4(raw_scale + j, scales + (n0 / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK) + k0 / FP8_BLOCK, true);
             }
         }
-        cp_commit();
+        async_commit();
     };
 
     // Every thread's copies of the oldest step not yet waited for have landed, seen by all.
     auto landed = [&]() {
-        cp_wait<GWG_STAGES - 2>();
+        async_wait<GWG_STAGES - 2>();
         wg_proxy_fence();
         __syncthreads();
     };

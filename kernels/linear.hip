@@ -107,6 +107,30 @@ __device__ __forceinline__ const float* gemv_input(const float* x, const float* 
     return gemv_x;
 }
 
+// Loads in flight, STAGES deep: stage s of `st` holds step k (fetch(stage, k)) until
+// consume(stage, k) takes it, then fills again with the step STAGES strides ahead. Steps run
+// first, first + stride, ... < count in that order, so the arithmetic is the same for any
+// depth. pipeline_fill issues the first loads (before pdl_wait, so that they overlap the previous
+// kernel's end); pipeline_drain consumes and refills.
+template <int STAGES, class Stage, class Fetch>
+__device__ __forceinline__ void pipeline_fill(Stage (&st)[STAGES], int first, int stride, Fetch fetch) {
+#pragma unroll
+    for (int s = 0; s < STAGES; s++) fetch(st[s], first + s * stride);
+}
+template <int STAGES, class Stage, class Fetch, class Consume>
+__device__ __forceinline__ void pipeline_drain(Stage (&st)[STAGES], int first, int stride, int count, Fetch fetch,
+                                               Consume consume) {
+    for (int k0 = first; k0 < count; k0 += STAGES * stride) {
+#pragma unroll
+        for (int s = 0; s < STAGES; s++) {
+            const int k = k0 + s * stride;
+            if (k >= count) return;
+            consume(st[s], k);
+            if (k + STAGES * stride < count) fetch(st[s], k + STAGES * stride);
+        }
+    }
+}
+
 // One lane-strided 16-byte chunk of each of ROWS weight rows: two such stages in flight per lane
 // (measured on an H200: one chunk per row per stage beats two, four and eight).
 template <int ROWS>
@@ -303,8 +327,9 @@ ATLAS_KERNEL void gemv1_gate_up_bf16_tokens(const bf16* g, const bf16* u, const 
 // each 128-column block's products are scaled by its row's scale, and the units' sums meet in
 // shared memory. The input is staged as f16 (times 2^-FP8_X_SHIFT: inputs up to ±65504 * 2^4 are
 // kept, larger ones saturate there; an RMSNorm's 1 / rms is applied to the sums), zero-padded to
-// whole blocks: dynamic shared memory ceil(K / 128) * 256 bytes.
-// Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 16 == 0.
+// whole blocks: dynamic shared memory ceil(K / 128) * 256 bytes. gemv1_fp8 streams its weights
+// through shared memory where it can (Fp8Async below: the same sums, FP8_ASYNC_SLOTS slots more of
+// dynamic shared memory). Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 16 == 0.
 #define FP8_UNITS 8
 #define FP8_X_SHIFT 4
 
@@ -383,6 +408,57 @@ struct Fp8Stage {
     }
 };
 
+// Where async copies exist (common/portable.h), the one-token, one-tile kernel (gemv1_fp8) streams
+// its weights through shared memory instead: far more bytes in flight than registers hold, which
+// is what an H200 needs to approach its bandwidth (its GEMVs of the Qwen3.6-27B shape alone: 2.5-2.7
+// TB/s in registers, 2.9-3.2 so). A slot holds 8 128-column blocks of every tile row (each row's
+// 1 KB copied as two 512-byte pieces, one per warp instruction, as DRAM likes them) and their
+// scales; FP8_ASYNC_SLOTS slots take turns, all but one in flight. Unit u consumes block u of each
+// slot: the blocks, and the order, that the register pipeline gives it, so both give the same
+// bits. Rows are FP8_SLOT_ROW bytes apart (1 KB + 64) so that lanes reading rows g and g + 1 hit
+// different banks. The two-tile kernel (gate/up) keeps registers: its slots would leave room for
+// one block an SM, and its two tiles already keep twice the bytes in flight.
+#define FP8_ASYNC_SLOTS 3
+#define FP8_SLOT_ROW 1088
+#define FP8_SLOT_SCALES 9  // floats per row (8 used; the ninth spreads rows over banks)
+template <int TILES>
+struct Fp8Async {
+    static constexpr int ROWS = TILES * 16;
+    static constexpr int SLOT_BYTES = ROWS * FP8_SLOT_ROW + ROWS * FP8_SLOT_SCALES * 4;
+    unsigned char* slots;               // dynamic shared memory, after the staged input
+    const unsigned char* const* rows;   // the tile rows' weights (shared table)
+    const float* const* scales;         // and their lines of the scale grid
+    int chunks, kblocks;
+    // Issues the copies of slot-load `st` (blocks 8 st .. 8 st + 7) and closes its group.
+    __device__ __forceinline__ void issue(int st) const {
+        unsigned char* slot = slots + (st % FP8_ASYNC_SLOTS) * SLOT_BYTES;
+        for (int p = threadIdx.x; p < ROWS * 64; p += blockDim.x) {
+            const int row = p / 64, piece = p % 64, c = st * 64 + piece;
+            async_copy16(slot + row * FP8_SLOT_ROW + piece * 16, rows[row] + (c < chunks ? c * 16 : 0), c < chunks);
+        }
+        float* s = (float*)(slot + ROWS * FP8_SLOT_ROW);
+        for (int p = threadIdx.x; p < ROWS * 8; p += blockDim.x) {
+            const int row = p / 8, kb = st * 8 + p % 8;
+            async_copy4(s + row * FP8_SLOT_SCALES + p % 8, scales[row] + (kb < kblocks ? kb : 0), kb < kblocks);
+        }
+        async_commit();
+    }
+    // Lane (g, t) of unit `unit`: its chunks and scales of slot-load `st`, as Fp8Stage::fetch gives them.
+    __device__ __forceinline__ void read(int st, int unit, int g, int t, Fp8Stage<TILES>& out) const {
+        const unsigned char* slot = slots + (st % FP8_ASYNC_SLOTS) * SLOT_BYTES;
+        const float* s = (const float*)(slot + ROWS * FP8_SLOT_ROW);
+#pragma unroll
+        for (int i = 0; i < TILES; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = i * 16 + g + 8 * h;
+                out.scale[i][h] = s[row * FP8_SLOT_SCALES + unit];
+#pragma unroll
+                for (int j = 0; j < 2; j++) out.w[i][h][j] = *(const uint4*)(slot + row * FP8_SLOT_ROW + unit * 128 + (t + 4 * j) * 16);
+            }
+    }
+};
+
 // out[i]: row threadIdx.x % 16 of tile i times token threadIdx.x / 16 of the input, summed over K
 // (valid in threads below 16 * tokens after the call; tokens <= TOKENS <= GEMV1_TOKENS). Weights
 // are read before pdl_wait(): launched early, they stream in while the previous kernel finishes.
@@ -392,16 +468,39 @@ struct Fp8Stage {
 // token. Either way a token's products and sums are those it gets alone (an mma column is computed
 // from its own inputs only), so its result does not depend on the others: decode steps of several
 // tokens give each the bits of a single step.
-template <int TILES, int TOKENS>
+template <int TILES, int TOKENS, bool ASYNC>
 __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                              float eps, int K, int tokens, float (&out)[TILES]) {
     __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
+    __shared__ const unsigned char* row_table[TILES * 16];
+    __shared__ const float* scale_table[TILES * 16];
+    extern __shared__ __attribute__((aligned(16))) unsigned char fp8_dynamic[];
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, chunks = K / 16;
-    Fp8Stage<TILES> cur, next;
+    // Both pipelines' state; the one not taken is left unused.
+    Fp8Stage<TILES> st[2];
+    auto fetch = [&](Fp8Stage<TILES>& stage, int kb) { stage.fetch(tiles, kb, kblocks, chunks, t); };
+    const Fp8Async<TILES> async = {fp8_dynamic + tokens * fp8_padded(K, FP8_BLOCK) * 2, row_table, scale_table, chunks, kblocks};
+    const int loads = (kblocks + 7) / 8;
     pdl_launch_dependents();
-    cur.fetch(tiles, unit, kblocks, chunks, t);
-    next.fetch(tiles, unit + FP8_UNITS, kblocks, chunks, t);
+    if constexpr (ASYNC) {
+        if (unit == 0 && t == 0)
+#pragma unroll
+            for (int i = 0; i < TILES; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    row_table[i * 16 + g + 8 * h] = (const unsigned char*)tiles[i].w[h];
+                    scale_table[i * 16 + g + 8 * h] = tiles[i].scale[h];
+                }
+        __syncthreads();
+#pragma unroll
+        for (int l = 0; l < FP8_ASYNC_SLOTS - 1; l++) {
+            if (l < loads) async.issue(l);
+            else async_commit();  // an empty group keeps the count async_wait relies on
+        }
+    } else {
+        pipeline_fill(st, unit, FP8_UNITS, fetch);
+    }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
     float scale[TOKENS];
     const uint4* xs = fp8_gemv_input<TOKENS>(x, norm_w, eps, K, FP8_BLOCK, tokens, scale);
@@ -467,12 +566,20 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
         }
     };
 #endif
-    for (int kb = unit; kb < kblocks; kb += 2 * FP8_UNITS) {
-        consume(cur, kb);
-        cur.fetch(tiles, kb + 2 * FP8_UNITS, kblocks, chunks, t);
-        if (kb + FP8_UNITS >= kblocks) break;
-        consume(next, kb + FP8_UNITS);
-        next.fetch(tiles, kb + 3 * FP8_UNITS, kblocks, chunks, t);
+    if constexpr (ASYNC) {
+        for (int l = 0; l < loads; l++) {
+            async_wait<FP8_ASYNC_SLOTS - 2>();  // this thread's copies of load l have landed
+            __syncthreads();                    // everyone's; and the slot load l - 1 used is free
+            if (l + FP8_ASYNC_SLOTS - 1 < loads) async.issue(l + FP8_ASYNC_SLOTS - 1);
+            else async_commit();
+            const int kb = l * 8 + unit;
+            if (kb < kblocks) {
+                async.read(l, unit, g, t, st[0]);
+                consume(st[0], kb);
+            }
+        }
+    } else {
+        pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
     }
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
@@ -562,10 +669,10 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
                         w[i][h][j] = c < chunks ? tiles[i].w[h][c] : make_uint4(0, 0, 0, 0);
                     }
         }
-    } cur, next;
+    } st[2];
+    auto fetch = [&](Stage& stage, int kb) { stage.fetch(tiles, kb, chunks, t); };
     pdl_launch_dependents();
-    cur.fetch(tiles, unit, chunks, t);
-    next.fetch(tiles, unit + FP8_UNITS, chunks, t);
+    pipeline_fill(st, unit, FP8_UNITS, fetch);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
     float scale[TOKENS];
     const float* xs = gemv_input<TOKENS>(x, norm_w, eps, K, tokens, scale);
@@ -591,13 +698,7 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
             }
         }
     };
-    for (int kb = unit; kb < kblocks; kb += 2 * FP8_UNITS) {
-        consume(cur, kb);
-        cur.fetch(tiles, kb + 2 * FP8_UNITS, chunks, t);
-        if (kb + FP8_UNITS >= kblocks) break;
-        consume(next, kb + FP8_UNITS);
-        next.fetch(tiles, kb + 3 * FP8_UNITS, chunks, t);
-    }
+    pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
     // Lane (g, t) holds columns 2t, 2t + 1 (tokens; for one token every column is it).
 #pragma unroll
     for (int i = 0; i < TILES; i++)
@@ -626,7 +727,7 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
 template <int TILES, int TOKENS>
 __device__ __forceinline__ void rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                          float eps, int K, int tokens, float (&out)[TILES]) {
-    fp8_rows_dot<TILES, TOKENS>(tiles, x, norm_w, eps, K, tokens, out);
+    fp8_rows_dot<TILES, TOKENS, TILES == 1 && TOKENS == 1 && ASYNC_COPY>(tiles, x, norm_w, eps, K, tokens, out);
 }
 
 // As gemv1_bf16 (up to four projections of one input, the residual added to the first), in tiles of 16 rows: FP8 weights (Rows = Fp8Rows, W = unsigned char) with scale grids
@@ -767,10 +868,14 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
 // (s · level − o: one rounding of the exact product), and two m16n8k16 mma take them with their
 // inputs; elsewhere each lane sums its own values in f32 (decoded as the CPU does). The input is
 // staged as f16 like FP8's, padded to whole steps: dynamic shared memory ceil(K / 256) * 512 bytes.
-// The callers multiply by NVFP4's tensor factor. Launch: grid ceil(output rows / 16), block
-// PK_UNITS * 32. Needs K % 256 == 0 for the k-quants, K % 32 == 0 for the others.
+// The callers multiply by NVFP4's tensor factor. Formats without high bits stream through shared
+// memory where they can (PkAsync below), with the same sums: dynamic shared memory grows by its
+// slots. Launch: grid ceil(output rows / 16), block PK_UNITS * 32. Needs K % 256 == 0 for the
+// k-quants, K % 32 == 0 for the others.
 #define PK_UNITS 8
 #define PK_STEP 256
+// Steps of loads in flight per lane.
+#define PK_STAGES 2
 #if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define PK_MMA 1
 #endif
@@ -840,6 +945,70 @@ struct PkStage {
     }
 };
 
+// As Fp8Async, for the packed formats: a slot holds 64 runs (8 steps, one per unit) of each of the
+// tile's 16 rows -- codes and meta groups, each copied as it lies -- for the formats without high
+// bits, where a row's meta bytes start 4-byte aligned (pk_async_fits: every shape a model has).
+// The others take the register pipeline: with their high bits, slots half as large again or more
+// left room for too few blocks an SM (on an H200 Q8_0 decoded 267 -> 212 t/s with them, Q6_K
+// 244 -> 210; Q4_K gained 325 -> 343). Rows of codes are spaced a sixteenth more than their bytes
+// (lanes reading rows g and g + 1 hit other banks). Unit u consumes step u of each slot, as the
+// register pipeline has it, so both give the same bits.
+#define PK_ASYNC_SLOTS 3
+template <int F>
+__device__ __forceinline__ bool pk_async_fits(int K) {
+    return ASYNC_COPY && PkTraits<F>::HB == 0 && (K / 32 / PkTraits<F>::MRUNS * PkTraits<F>::MBYTES) % 4 == 0;
+}
+template <int F>
+struct PkAsync {
+    typedef PkTraits<F> T;
+    static constexpr int CODES_ROW = 1088;
+    static constexpr int META_BYTES = 64 / T::MRUNS * T::MBYTES;  // a multiple of 4 for every format
+    static constexpr int ROW = CODES_ROW + (META_BYTES + 15) / 16 * 16 + 16;
+    static constexpr int SLOT_BYTES = 16 * ROW;
+    unsigned char* slots;      // dynamic shared memory, after the staged input
+    const PkPlanes* planes;    // each tile row's planes (shared table)
+    const long* first_run;     // and its first run
+    int runs;                  // per row
+    // Issues the copies of slot-load `st` (runs 64 st .. 64 st + 63 of every row) and closes its group.
+    __device__ __forceinline__ void issue(int st) const {
+        unsigned char* slot = slots + (st % PK_ASYNC_SLOTS) * SLOT_BYTES;
+        const int r0 = st * 64, valid_runs = runs - r0 < 64 ? runs - r0 : 64;
+        for (int p = threadIdx.x; p < 16 * 64; p += blockDim.x) {
+            const int row = p / 64, r = p % 64;
+            const bool in = r < valid_runs;
+            async_copy16(slot + row * ROW + r * 16, planes[row].codes + (first_run[row] + r0 + (in ? r : 0)) * 16, in);
+        }
+        const int valid_meta = valid_runs / T::MRUNS * T::MBYTES;  // whole words (pk_async_fits)
+        for (int p = threadIdx.x; p < 16 * (META_BYTES / 4); p += blockDim.x) {
+            const int row = p / (META_BYTES / 4), w = p % (META_BYTES / 4);
+            const bool in = w * 4 < valid_meta;
+            const long at = (first_run[row] + r0) / T::MRUNS * T::MBYTES + (in ? w * 4 : 0);
+            async_copy4(slot + row * ROW + CODES_ROW + w * 4, planes[row].meta + at, in);
+        }
+        async_commit();
+    }
+    // Lane (g, t) of unit `unit`: its part of slot-load `st`, as PkStage::fetch gives it (no
+    // high-bit fields: formats that have them do not come here).
+    __device__ __forceinline__ void read(int st, int unit, int g, int t, PkStage<F, 1>& out) const {
+        const unsigned char* slot = slots + (st % PK_ASYNC_SLOTS) * SLOT_BYTES;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const unsigned char* row = slot + (g + 8 * h) * ROW;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int r = unit * 8 + j * 4 + t;  // run within the slot
+                const bool in = st * 64 + r < runs;
+                out.codes[0][h][j] = in ? *(const uint4*)(row + r * 16) : make_uint4(0u, 0u, 0u, 0u);
+                out.fields[0][h][j] = make_uint4(0u, 0u, 0u, 0u);
+                if (j == 0 || T::MRUNS == 1)
+                    out.meta[0][h][j] = in ? pk_meta<F>(row + CODES_ROW, r) : make_uint4(0u, 0u, 0u, 0u);
+                else
+                    out.meta[0][h][j] = out.meta[0][h][0];
+            }
+        }
+    }
+};
+
 #ifdef PK_MMA
 // Biased levels (four bytes) to two f16 pairs of s · level − o.
 __device__ __forceinline__ void pk_scaled_pairs(unsigned int levels, unsigned int s2, unsigned int no2, unsigned int* out) {
@@ -857,14 +1026,37 @@ __device__ __forceinline__ void pk_scaled_pairs(unsigned int levels, unsigned in
 template <int F, int TILES>
 __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], const float* x, const float* norm_w, float eps,
                                             int K, float (&out)[TILES]) {
+    static_assert(TILES == 1, "the packed kernels take one tile");
     __shared__ float sums[PK_UNITS][TILES][16];
+    __shared__ PkPlanes plane_table[16];
+    __shared__ long run_table[16];
+    extern __shared__ __attribute__((aligned(16))) unsigned char pk_dynamic[];
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int runs = K / 32, steps = (runs + 7) / 8;
     const uint4 table = pk_table<F>();
-    PkStage<F, TILES> cur, next;
+    // Both pipelines' state (a uniform choice by shape); the one not taken is left unused.
+    PkStage<F, TILES> st[PK_STAGES];
+    auto fetch = [&](PkStage<F, TILES>& stage, int step) { stage.fetch(tiles, step, steps, runs, t); };
+    const bool async_path = pk_async_fits<F>(K);
+    const PkAsync<F> async = {pk_dynamic + fp8_padded(K, PK_STEP) * 2, plane_table, run_table, runs};
+    const int loads = (runs + 63) / 64;
     pdl_launch_dependents();
-    cur.fetch(tiles, unit, steps, runs, t);
-    next.fetch(tiles, unit + PK_UNITS, steps, runs, t);
+    if (async_path) {
+        if (unit == 0 && t == 0)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                plane_table[g + 8 * h] = tiles[0].p[h];
+                run_table[g + 8 * h] = tiles[0].run0[h];
+            }
+        __syncthreads();
+#pragma unroll
+        for (int l = 0; l < PK_ASYNC_SLOTS - 1; l++) {
+            if (l < loads) async.issue(l);
+            else async_commit();  // an empty group keeps the count async_wait relies on
+        }
+    } else {
+        pipeline_fill(st, unit, PK_UNITS, fetch);
+    }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
     float scales[1];
     const uint2* xs = (const uint2*)fp8_gemv_input<1>(x, norm_w, eps, K, PK_STEP, 1, scales);
@@ -926,12 +1118,20 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
             }
         }
     };
-    for (int step = unit; step < steps; step += 2 * PK_UNITS) {
-        consume(cur, step);
-        cur.fetch(tiles, step + 2 * PK_UNITS, steps, runs, t);
-        if (step + PK_UNITS >= steps) break;
-        consume(next, step + PK_UNITS);
-        next.fetch(tiles, step + 3 * PK_UNITS, steps, runs, t);
+    if (async_path) {
+        for (int l = 0; l < loads; l++) {
+            async_wait<PK_ASYNC_SLOTS - 2>();  // this thread's copies of load l have landed
+            __syncthreads();                   // everyone's; and the slot load l - 1 used is free
+            if (l + PK_ASYNC_SLOTS - 1 < loads) async.issue(l + PK_ASYNC_SLOTS - 1);
+            else async_commit();
+            const int step = l * 8 + unit;
+            if (step < steps) {
+                async.read(l, unit, g, t, st[0]);
+                consume(st[0], step);
+            }
+        }
+    } else {
+        pipeline_drain(st, unit, PK_UNITS, steps, fetch, consume);
     }
 #pragma unroll
     for (int i = 0; i < TILES; i++) {

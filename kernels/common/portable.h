@@ -108,6 +108,41 @@ __device__ __forceinline__ float f16_to_f32(unsigned short h) {
 #endif
 }
 
+// Copies from global to shared memory that land later (cp.async, NVIDIA sm_80+), so that a block
+// keeps many more bytes in flight than its registers hold: async_copy16 (16 bytes, both addresses
+// 16-byte aligned) and async_copy4 write zeros instead when `valid` is false (then `src` is not
+// read); async_commit() closes the copies this thread issued since the last call into a group;
+// async_wait<N>() returns once at most N of this thread's groups are still in flight (a barrier
+// then shows every thread's copies to the block). Elsewhere the copy is done on the spot and the
+// waits have nothing to wait for.
+#if !defined(ATLAS_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define ASYNC_COPY 1
+__device__ __forceinline__ void async_copy16(void* dst, const void* src, bool valid) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void async_copy4(void* dst, const void* src, bool valid) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#else
+#define ASYNC_COPY 0
+__device__ __forceinline__ void async_copy16(void* dst, const void* src, bool valid) {
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ void async_copy4(void* dst, const void* src, bool valid) {
+    *(unsigned int*)dst = valid ? *(const unsigned int*)src : 0u;
+}
+__device__ __forceinline__ void async_commit() {}
+template <int N>
+__device__ __forceinline__ void async_wait() {}
+#endif
+
 // Launch bounds: at most `threads` per block, and on NVIDIA a register budget that lets
 // `min_blocks` blocks share an SM (HIP's second argument means something else, so it gets none).
 #if defined(ATLAS_HIP)

@@ -43,7 +43,7 @@ impl std::fmt::Debug for PackedMatrix {
 }
 
 /// High bits per value beyond the four of the codes plane.
-fn high_bits(format: GgmlFormat) -> usize {
+pub fn high_bits(format: GgmlFormat) -> usize {
     match format {
         GgmlFormat::Q8_0 => 4,
         GgmlFormat::Q6_K => 2,
@@ -53,7 +53,7 @@ fn high_bits(format: GgmlFormat) -> usize {
 }
 
 /// (runs, bytes) of one group of the meta plane.
-fn meta_group(format: GgmlFormat) -> (usize, usize) {
+pub fn meta_group(format: GgmlFormat) -> (usize, usize) {
     match format {
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => (8, 16),
         GgmlFormat::Q6_K => (8, 18),

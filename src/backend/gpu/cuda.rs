@@ -38,7 +38,7 @@ pub struct CudaRuntime {
     max_shared_bytes: u32,
     /// Compiled for sm_90a: the WGMMA_KERNELS exist.
     wgmma: bool,
-    /// Compute capability 8.0 or later: mma.sync, and the MMA_KERNELS.
+    /// Compute capability 8.0 or later: mma.sync, and the MMA_KERNELS; cp.async.
     mma: bool,
     description: String,
 }
@@ -272,6 +272,10 @@ impl Runtime for CudaRuntime {
 
     fn has_wgmma(&self) -> bool {
         self.wgmma
+    }
+
+    fn has_async_copy(&self) -> bool {
+        self.mma
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {

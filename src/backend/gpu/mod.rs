@@ -152,9 +152,10 @@ impl GpuWeight {
     /// f32 (kernels/linear.hip's gemv_input), in warps of GEMV_ROWS (GEMV_TOKENS_ROWS for the
     /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8; fp8 always
     /// stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in whole
-    /// 256-column steps (pk_rows_dot). `several`: the several-token kernel (`gemv1_kernel`),
-    /// whatever `tokens` this launch takes.
-    fn gemv1_launch(&self, rows: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
+    /// 256-column steps (pk_rows_dot). `tiles`: 16-row tiles a block takes (gemv1 1, gate/up 2):
+    /// the FP8 one-tile kernel has weight slots where async copies exist. `several`: the
+    /// several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
+    fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
                 let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
@@ -165,12 +166,14 @@ impl GpuWeight {
                 ([blocks(rows, per_warp * GEMV_THREADS / dev.warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
             WeightFormat::Fp8 { .. } => {
-                let shared = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
-                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
+                let input = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
+                let slots = if dev.async_copy && !several && tiles == 1 { FP8_ASYNC_SLOTS * FP8_SLOT_TILE_BYTES } else { 0 };
+                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
-            WeightFormat::Packed(_) => {
-                let shared = self.cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2;
-                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
+            WeightFormat::Packed(format) => {
+                let input = self.cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2;
+                let slots = if dev.async_copy { packed_slot_bytes(format, self.cols).unwrap_or(0) } else { 0 };
+                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
         }
     }
@@ -188,7 +191,7 @@ impl GpuWeight {
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, dev, tokens) > 0,
             // Several tokens take the one-token kernel one by one: each gets its single-step bits.
             WeightFormat::Packed(_) => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, 2, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
             }
         }
     }
@@ -207,10 +210,10 @@ impl GpuWeight {
         // The same bound for one token as for several: an input takes the same kernels alone as
         // beside others.
         if tokens == 1 {
-            return usize::from(self.gemv1_launch(1, normed, 1, false, dev).2 + fixed[0] <= dev.max_shared);
+            return usize::from(self.gemv1_launch(1, 2, normed, 1, false, dev).2 + fixed[0] <= dev.max_shared);
         }
         (1..=GEMV1_TOKENS)
-            .take_while(|&t| self.gemv1_launch(1, normed, t, true, dev).2 + fixed[1] <= dev.max_shared)
+            .take_while(|&t| self.gemv1_launch(1, 2, normed, t, true, dev).2 + fixed[1] <= dev.max_shared)
             .last()
             .unwrap_or(0)
     }
@@ -237,6 +240,7 @@ struct GemvDevice {
     max_shared: u32,
     warp_size: u32,
     bf16_mma: bool,
+    async_copy: bool,
 }
 
 pub struct GpuKvCache {
@@ -373,12 +377,30 @@ const GEMV_STATIC_SHARED: u32 = 256;
 /// The fp8 one-token kernels: output rows per block, threads, static shared memory (rounded up).
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
-const FP8_GEMV_STATIC_SHARED: u32 = 1_300;
+const FP8_GEMV_STATIC_SHARED: u32 = 1_700;
 /// gemv1_fp8_tokens and gemv1_gate_up_fp8_tokens, whose partial sums have room for GEMV1_TOKENS
 /// tokens.
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
 /// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
 const GEMV1_TOKENS: usize = 8;
+/// The FP8 one-token, one-tile kernel's weight slots in shared memory (kernels/linear.hip's
+/// Fp8Async): FP8_ASYNC_SLOTS of them, each 16 rows of FP8_SLOT_ROW bytes and FP8_SLOT_SCALES
+/// floats.
+const FP8_ASYNC_SLOTS: usize = 3;
+const FP8_SLOT_TILE_BYTES: usize = 16 * (1088 + 9 * 4);
+/// The packed one-token kernels' slots in shared memory (kernels/linear.hip's PkAsync), for rows
+/// of `cols` values where they stream through them (formats without high bits, a row's meta bytes
+/// a multiple of 4: pk_async_fits): PK_ASYNC_SLOTS slots of 16 rows, each row's codes (1088
+/// bytes) and 64 runs' meta groups (rounded up to 16 bytes, + 16).
+fn packed_slot_bytes(format: GgmlFormat, cols: usize) -> Option<usize> {
+    let (group_runs, group_bytes) = packed::meta_group(format);
+    if packed::high_bits(format) > 0 || (cols / packed::RUN / group_runs * group_bytes) % 4 != 0 {
+        return None;
+    }
+    let meta = 64 / group_runs * group_bytes;
+    Some(PK_ASYNC_SLOTS * 16 * (1088 + meta.div_ceil(16) * 16 + 16))
+}
+const PK_ASYNC_SLOTS: usize = 3;
 /// Columns per step of the packed one-token kernels (PK_STEP).
 const PACKED_STEP: usize = 256;
 /// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.
@@ -464,6 +486,7 @@ impl GpuBackend {
             max_shared: self.rt.max_shared_bytes(),
             warp_size: self.rt.warp_size(),
             bf16_mma: self.rt.bf16_gemv_on_matrix_cores() && self.several_sequences.load(Ordering::Relaxed),
+            async_copy: self.rt.has_async_copy(),
         }
     }
 
@@ -576,7 +599,7 @@ impl GpuBackend {
             // which gives it the same bits.
             let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let (grid, block, shared) = w.gemv1_launch(rows, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
+            let (grid, block, shared) = w.gemv1_launch(rows, 1, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(())
@@ -1311,7 +1334,7 @@ impl Backend for GpuBackend {
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
             let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
-            let (grid, block, shared) = g.gemv1_launch(tile_rows, true, tokens, x.rows > 1, self.gemv_device());
+            let (grid, block, shared) = g.gemv1_launch(tile_rows, 2, true, tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(out)

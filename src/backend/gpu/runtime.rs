@@ -175,6 +175,12 @@ pub trait Runtime: Send + Sync {
     fn bf16_gemv_on_matrix_cores(&self) -> bool {
         false
     }
+    /// True where kernels/common/portable.h's async_copy is cp.async (NVIDIA sm_80+): the FP8
+    /// one-token kernels then stream their weights through shared memory (`Fp8Async` in
+    /// kernels/linear.hip), which their launches must make room for.
+    fn has_async_copy(&self) -> bool {
+        false
+    }
     /// True where the kernels were compiled with Hopper's wgmma (NVIDIA sm_90a): the `gemm_wg_*`
     /// kernels exist (kernels/gemm.hip).
     fn has_wgmma(&self) -> bool {
