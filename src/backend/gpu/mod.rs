@@ -153,7 +153,8 @@ impl GpuWeight {
     /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8; fp8 always
     /// stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in whole
     /// 256-column steps (pk_rows_dot). `tiles`: 16-row tiles a block takes (gemv1 1, gate/up 2):
-    /// the FP8 one-tile kernel has weight slots where async copies exist. `several`: the
+    /// the FP8 one-tile kernel has weight slots where async copies exist, so it is the largest
+    /// launch (what the fits checks measure). `several`: the
     /// several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
@@ -191,7 +192,7 @@ impl GpuWeight {
             WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, dev, tokens) > 0,
             // Several tokens take the one-token kernel one by one: each gets its single-step bits.
             WeightFormat::Packed(_) => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, 2, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, 1, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
             }
         }
     }
@@ -210,10 +211,10 @@ impl GpuWeight {
         // The same bound for one token as for several: an input takes the same kernels alone as
         // beside others.
         if tokens == 1 {
-            return usize::from(self.gemv1_launch(1, 2, normed, 1, false, dev).2 + fixed[0] <= dev.max_shared);
+            return usize::from(self.gemv1_launch(1, 1, normed, 1, false, dev).2 + fixed[0] <= dev.max_shared);
         }
         (1..=GEMV1_TOKENS)
-            .take_while(|&t| self.gemv1_launch(1, 2, normed, t, true, dev).2 + fixed[1] <= dev.max_shared)
+            .take_while(|&t| self.gemv1_launch(1, 1, normed, t, true, dev).2 + fixed[1] <= dev.max_shared)
             .last()
             .unwrap_or(0)
     }
