@@ -19,8 +19,10 @@
 //           output when there is one, into the residual stream; one thread per output value: no
 //           atomics, the same sum every run.
 //
-// Expert weights are stacked per projection: gate and up [E, I, H], down [E, H, I], bf16, or E4M3
-// codes with f32 scales [E, ceil(rows/128), ceil(cols/128)] (common/fp8.h).
+// Expert weights are stacked per projection: gate and up [E, I, H], down [E, H, I], bf16, E4M3
+// codes with f32 scales [E, ceil(rows/128), ceil(cols/128)] (common/fp8.h), or a block format in
+// common/packed.h's device layout, expert e's planes (NVFP4's factor included) `stride` bytes
+// after expert e - 1's.
 #include "common/portable.h"
 #include "common/mma.h"
 #include "common/fp8.h"
@@ -217,6 +219,64 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     }
 }
 
+// The same over packed experts: linear.hip's gemv1_gate_up_packed (8 gate rows and the same 8 up
+// rows a block) and gemv1_packed (16 rows a block) on the chosen expert's planes, each expert with
+// its own NVFP4 factor. The bf16 kernels' arguments (scale pointers unused), then `stride`.
+// Launch: grid (ceil(I / 8) or ceil(H / 16), top_k (+ 1)), block PK_UNITS * 32, dynamic shared
+// memory as gemv1_<format>'s for K = H (gate/up) or I (down).
+template <int F>
+__device__ __forceinline__ void moe_gate_up_pk(const unsigned char* gate, const unsigned char* up, const int* ids,
+                                               const float* x, const float* norm_w, float eps,
+                                               const unsigned char* shared_g, const unsigned char* shared_u, float* act,
+                                               int I, int H, int top_k, long long stride) {
+    pdl_wait();
+    const int s = blockIdx.y;
+    const bool shared = s == top_k;
+    const long long at = shared ? 0 : ids[s] * stride;
+    gemv1_gate_up_packed<F>(shared ? shared_g : gate + at, shared ? shared_u : up + at, nullptr, nullptr, x, norm_w, eps,
+                            act + (long)s * I, I, H);
+}
+
+template <int F>
+__device__ __forceinline__ void moe_down_pk(const unsigned char* down, const int* ids, const float* act,
+                                            const unsigned char* shared_d, float* y, int H, int I, int top_k,
+                                            long long stride) {
+    pdl_wait();
+    const int s = blockIdx.y;
+    const unsigned char* d = s == top_k ? shared_d : down + ids[s] * stride;
+    gemv1_packed<F>(d, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, y + (long)s * H, nullptr, nullptr,
+                    nullptr, H, 0, 0, 0, act + (long)s * I, nullptr, 0.0f, nullptr, I);
+}
+
+#define MOE_PK_KERNELS(name, F)                                                                                     \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                         \
+        moe_gate_up_##name(const unsigned char* gate, const unsigned char* up, const float*, const float*,          \
+                           const int* ids, const float* x, const float* norm_w, float eps,                          \
+                           const unsigned char* shared_g, const unsigned char* shared_u, const float*, const float*, \
+                           float* act, int I, int H, int top_k, long long stride) {                                 \
+        moe_gate_up_pk<F>(gate, up, ids, x, norm_w, eps, shared_g, shared_u, act, I, H, top_k, stride);             \
+    }                                                                                                               \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                         \
+        moe_down_##name(const unsigned char* down, const float*, const int* ids, const float* act,                  \
+                        const unsigned char* shared_d, const float*, float* y, int H, int I, int top_k,             \
+                        long long stride) {                                                                         \
+        moe_down_pk<F>(down, ids, act, shared_d, y, H, I, top_k, stride);                                           \
+    }
+MOE_PK_KERNELS(q8_0, PK_Q8_0)
+MOE_PK_KERNELS(q4_0, PK_Q4_0)
+MOE_PK_KERNELS(q4_1, PK_Q4_1)
+MOE_PK_KERNELS(q5_0, PK_Q5_0)
+MOE_PK_KERNELS(q5_1, PK_Q5_1)
+MOE_PK_KERNELS(q4_k, PK_Q4_K)
+MOE_PK_KERNELS(q5_k, PK_Q5_K)
+MOE_PK_KERNELS(q6_k, PK_Q6_K)
+MOE_PK_KERNELS(iq4_nl, PK_IQ4_NL)
+MOE_PK_KERNELS(iq4_xs, PK_IQ4_XS)
+MOE_PK_KERNELS(mxfp4, PK_MXFP4)
+MOE_PK_KERNELS(nvfp4, PK_NVFP4)
+MOE_PK_KERNELS(rocmfp4, PK_ROCMFP4)
+MOE_PK_KERNELS(rocmfp4_fast, PK_ROCMFP4_FAST)
+
 // ---- Prefill: the assignments grouped by expert ------------------------------------------------
 
 // counts[e] = how many of the `assignments` (T * top_k) ids are e. Launch: grid E, block 256.
@@ -308,12 +368,14 @@ ATLAS_KERNEL void moe_gather(const float* x, const int* rows, int top_k, int H, 
 
 // Grouped GEMM: for each expert e, y[offsets[e] + t, n] = Σ_k x[offsets[e] + t, k] · W_e[n, k] for
 // its rows t < counts[e]: gemm.hip's tiles (128 x 128, bf16 operands on the matrix cores, f32
-// accumulation), over each expert's own rows and weights. blockIdx.z picks (W0, S0, y0) or
+// accumulation), over each expert's own rows and weights (expert e's `stride` bytes after expert
+// e - 1's; packed formats: format id `fmt`, K % 32 == 0). blockIdx.z picks (W0, S0, y0) or
 // (W1, S1, y1): gate and up in one launch. Launch: grid (ceil(N / GEMM_BN), max_tiles, 1 or 2),
 // block GEMM_THREADS, where max_tiles >= tiles[E] (blocks past tiles[E] return at once).
-template <bool FP8>
-__device__ __forceinline__ void moe_gemm_body(const void* W, const float* scales, const float* x, const int* offsets,
-                                              const int* tiles, int E, float* y, int N, int K) {
+template <int KIND>
+__device__ __forceinline__ void moe_gemm_body(const unsigned char* W, const float* scales, int fmt, long long stride,
+                                              const float* x, const int* offsets, const int* tiles, int E, float* y,
+                                              int N, int K) {
     __shared__ uint4 xs_raw[2 * GEMM_BM * GEMM_LDS / 8];
     __shared__ uint4 ws_raw[2 * GEMM_BN * GEMM_LDS / 8];
     bf16* xs = (bf16*)xs_raw;
@@ -331,9 +393,8 @@ __device__ __forceinline__ void moe_gemm_body(const void* W, const float* scales
     const long e = lo;
     const int first = offsets[e], T = offsets[e + 1] - first;
     const int t0 = (tile - tiles[e]) * GEMM_BM, n0 = blockIdx.x * GEMM_BN;
-    const long size = (long)N * K;
-    const void* We = FP8 ? (const void*)((const unsigned char*)W + e * size) : (const void*)((const bf16*)W + e * size);
-    const float* Se = FP8 ? scales + e * ((N + FP8_BLOCK - 1) / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK) : nullptr;
+    const unsigned char* We = W + e * stride;
+    const float* Se = KIND == GEMM_FP8 ? scales + e * ((N + FP8_BLOCK - 1) / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK) : nullptr;
     const float* xe = x + (long)first * K;
     float* ye = y + (long)first * N;
 
@@ -346,9 +407,9 @@ __device__ __forceinline__ void moe_gemm_body(const void* W, const float* scales
             for (int v = 0; v < MMA_ACC; v++) acc[i][j][v] = 0.0f;
 
     if ((K % GEMM_BK) == 0 && t0 + GEMM_BM <= T && n0 + GEMM_BN <= N)
-        gemm_mainloop<FP8 ? GEMM_FP8 : GEMM_BF16, false>(acc, xs, ws, We, Se, 0, xe, N, K, T, n0, t0);
+        gemm_mainloop<KIND, false>(acc, xs, ws, We, Se, fmt, xe, N, K, T, n0, t0);
     else
-        gemm_mainloop<FP8 ? GEMM_FP8 : GEMM_BF16, true>(acc, xs, ws, We, Se, 0, xe, N, K, T, n0, t0);
+        gemm_mainloop<KIND, true>(acc, xs, ws, We, Se, fmt, xe, N, K, T, n0, t0);
 
     const int warp = threadIdx.x / WARP_SIZE;
     const int tw = t0 + (warp / (GEMM_WARPS / 2)) * GEMM_WM, nw = n0 + (warp % (GEMM_WARPS / 2)) * GEMM_WN;
@@ -363,19 +424,17 @@ __device__ __forceinline__ void moe_gemm_body(const void* W, const float* scales
             }
 }
 
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
-    moe_gemm_bf16(const bf16* W0, const float* S0, float* y0, const bf16* W1, const float* S1, float* y1,
-                  const float* x, const int* offsets, const int* tiles, int E, int N, int K) {
-    const bool second = blockIdx.z == 1;
-    moe_gemm_body<false>(second ? W1 : W0, nullptr, x, offsets, tiles, E, second ? y1 : y0, N, K);
-}
-
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
-    moe_gemm_fp8(const unsigned char* W0, const float* S0, float* y0, const unsigned char* W1, const float* S1,
-                 float* y1, const float* x, const int* offsets, const int* tiles, int E, int N, int K) {
-    const bool second = blockIdx.z == 1;
-    moe_gemm_body<true>(second ? W1 : W0, second ? S1 : S0, x, offsets, tiles, E, second ? y1 : y0, N, K);
-}
+#define MOE_GEMM_KERNEL(name, KIND)                                                                                  \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)                                                           \
+        name(const unsigned char* W0, const float* S0, float* y0, const unsigned char* W1, const float* S1, float* y1, \
+             const float* x, const int* offsets, const int* tiles, int E, int N, int K, int fmt, long long stride) {   \
+        const bool second = blockIdx.z == 1;                                                                         \
+        moe_gemm_body<KIND>(second ? W1 : W0, second ? S1 : S0, fmt, stride, x, offsets, tiles, E, second ? y1 : y0, \
+                            N, K);                                                                                   \
+    }
+MOE_GEMM_KERNEL(moe_gemm_bf16, GEMM_BF16)
+MOE_GEMM_KERNEL(moe_gemm_fp8, GEMM_FP8)
+MOE_GEMM_KERNEL(moe_gemm_packed, GEMM_PACKED)
 
 // out[t, c] += Σ_s weights[t, s] · y[row, c] (the sum first, then the add), row = slot_row[t * top_k + s] (or t * top_k + s
 // when slot_row is null: the decode kernels' [top_k (+ 1), H]), s = 0..top_k in order; then, with

@@ -1143,6 +1143,79 @@ fn moe_block_with_a_shared_expert_matches_the_cpu() {
     }
 }
 
+/// Experts in a block format stay packed on the device (gate/up in one format, down in the same or,
+/// as Q4_K_M files have it, another) and match the CPU: one token through the packed expert GEMVs
+/// (4e-3, as the packed GEMVs), several through the grouped GEMMs, which decode each run to the bf16
+/// that widened experts hold and so give their bits exactly. The fused block takes a shared expert
+/// of the same formats as one more slot.
+#[test]
+fn moe_packed_experts_stay_packed_and_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(35);
+    let (e, k, hidden, inter) = (16, 4, 512, 256);
+    let mut cases: Vec<(Option<GgmlFormat>, Option<GgmlFormat>)> = GgmlFormat::ALL.iter().map(|&f| (Some(f), Some(f))).collect();
+    cases.push((None, None));
+    cases.push((Some(GgmlFormat::Q4_K), Some(GgmlFormat::Q6_K)));
+    for (n, (gate_up, down)) in cases.into_iter().enumerate() {
+        let name = |f: Option<GgmlFormat>| f.map_or("nvfp4 (safetensors)".to_string(), |f| f.to_string());
+        let what = format!("moe packed {}/{}", name(gate_up), name(down));
+        let seed = 1000 + 10 * n as u64;
+        let host = |f, rows, cols, seed| {
+            let (m, wide) = block_matrix(f, rows, cols, seed);
+            (m, block_matrix(f, rows, cols, seed).0, wide)
+        };
+        let (mut on_cpu, mut packed, mut widened) = (Vec::new(), Vec::new(), Vec::new());
+        for x in 0..e as u64 {
+            let (g1, g2, g3) = host(gate_up, inter, hidden, seed + 3 * x);
+            let (u1, u2, u3) = host(gate_up, inter, hidden, seed + 3 * x + 1);
+            let (d1, d2, d3) = host(down, hidden, inter, seed + 3 * x + 2);
+            on_cpu.push(GatedMlp { gate: g1, up: u1, down: d1 });
+            packed.push(GatedMlp { gate: g2, up: u2, down: d2 });
+            let boxed = |m: DenseMatrix| -> Box<dyn QuantMatrix> { Box::new(m) };
+            widened.push(GatedMlp { gate: boxed(g3), up: boxed(u3), down: boxed(d3) });
+        }
+        let file_bytes: usize = on_cpu.iter().map(|m: &HostMlp| m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes()).sum();
+        // Inputs sized to the format's weights, so that SiLU(gate)·up stays where f16 holds it (the
+        // GEMVs stage inputs as f16, saturating past 2^20: random Q6_K rows have values to 200).
+        let mut row = vec![0f32; hidden];
+        on_cpu[0].gate.dequant_row(0, &mut row);
+        let x_scale = 3.0 / (row.iter().map(|v| v * v).sum::<f32>().sqrt() + 1e-6);
+        let (ce, ge, gw) = (upload_experts_to(&c, on_cpu), upload_experts_to(&g, packed), upload_experts_to(&g, widened));
+        // Each expert's planes are padded to 256 bytes (and NVFP4's factor rides with them).
+        assert!(ge.device_bytes() <= file_bytes + 3 * e * 260, "{what}: {} device bytes for {file_bytes} in the file", ge.device_bytes());
+        let routing = Routing { top_k: k, normalize: true };
+        for t in [1, 37] {
+            let (logits, xn) = (random(&mut rng, t * e, 3.0), random(&mut rng, t * hidden, x_scale));
+            let tol = if t == 1 { 4e-3 } else { 2e-2 };
+            moe_case(&g, &c, (&ce, &ge), hidden, inter, logits.clone(), xn.clone(), routing, tol, &format!("{what} T={t}"));
+            if t > 1 {
+                let run = |experts| {
+                    let (xn, logits) = (g.upload_f32(t, hidden, &xn).unwrap(), g.upload_f32(t, e, &logits).unwrap());
+                    let mut out = g.upload_f32(t, hidden, &vec![0.5; t * hidden]).unwrap();
+                    g.moe_add(&xn, &logits, experts, routing, &mut out).unwrap();
+                    g.to_host(&out).unwrap()
+                };
+                assert!(run(&ge) == run(&gw), "{what} T={t}: packed and widened experts differ");
+            }
+        }
+        // The fused block, with a shared expert of the same formats.
+        let (sg, su, sd) = (host(gate_up, inter, hidden, seed + 900), host(gate_up, inter, hidden, seed + 901), host(down, hidden, inter, seed + 902));
+        let shared_c = GatedMlp { gate: c.upload_weight(sg.0).unwrap(), up: c.upload_weight(su.0).unwrap(), down: c.upload_weight(sd.0).unwrap() };
+        let shared_g = GatedMlp { gate: g.upload_weight(sg.1).unwrap(), up: g.upload_weight(su.1).unwrap(), down: g.upload_weight(sd.1).unwrap() };
+        let x = pair(&g, 1, hidden, random(&mut rng, hidden, 2.0));
+        let norm = pair(&g, 1, hidden, random(&mut rng, hidden, 1.5 * x_scale));
+        let logits = pair(&g, 1, e, random(&mut rng, e, 3.0));
+        let gate_logits = pair(&g, 1, 1, random(&mut rng, 1, 2.0));
+        let mut want = CpuTensor::new(1, hidden, x.cpu.data.clone());
+        c.moe_block_add(&mut want, &norm.cpu, 1e-6, &logits.cpu, &ce, Some(SharedExpert { mlp: &shared_c, gate_logits: &gate_logits.cpu }), routing).unwrap();
+        moe_poison(&g, &[hidden, (k + 1) * inter, (k + 1) * hidden]);
+        let mut got = g.upload_f32(1, hidden, &x.cpu.data).unwrap();
+        g.moe_block_add(&mut got, &norm.gpu, 1e-6, &logits.gpu, &ge, Some(SharedExpert { mlp: &shared_g, gate_logits: &gate_logits.gpu }), routing).unwrap();
+        check(&g, &got, &want, 4e-3, &format!("{what} block with a shared expert"));
+    }
+}
+
 fn moe_logits_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     assert!(got.iter().all(|v| v.is_finite()), "non-finite logits");

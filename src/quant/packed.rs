@@ -382,6 +382,17 @@ impl PackedMatrix {
     }
 }
 
+/// The format `pack` would give `w`, without packing it (None: `pack` would return None).
+pub fn packed_format(w: &dyn QuantMatrix) -> Option<GgmlFormat> {
+    if let Some(m) = w.as_ggml() {
+        return packable(m.format(), m.cols()).then_some(m.format());
+    }
+    if let Some(m) = w.as_nvfp4() {
+        return packable(GgmlFormat::NVFP4, m.cols()).then_some(GgmlFormat::NVFP4);
+    }
+    w.row_selection().and_then(|(inner, _)| packed_format(inner))
+}
+
 /// The matrix in the device layout, rows `rows` (in that order) or all; None for formats that are
 /// not block formats (BF16, FP8, ...) or shapes that are not whole meta groups.
 pub fn pack(w: &dyn QuantMatrix, rows: Option<&[usize]>) -> Option<Result<PackedMatrix>> {
@@ -428,6 +439,7 @@ mod tests {
             let blocks = random_ggml_blocks(format, rows * cols / format.block_size(), 7 + format.ggml_type() as u64);
             let m = GgmlMatrix::new(format, rows, cols, blocks).unwrap();
             let packed = pack(&m, None).unwrap().unwrap();
+            assert_eq!(packed_format(&m), Some(packed.format), "{format}: the format pack gives");
             let factor = if format == GgmlFormat::NVFP4 { 4 } else { 0 };
             assert_eq!(packed.bytes.len(), m.storage_bytes() + factor, "{format}: the file's bytes");
             let (mut want, mut got) = (vec![0f32; cols], vec![f32::NAN; cols]);
@@ -454,6 +466,10 @@ mod tests {
         let scales: Vec<u8> = (0..rows * cols / 16).map(|_| (rng.next_u64() % 0x7E) as u8).collect();
         let m = Nvfp4Matrix::new(rows, cols, codes, scales, 0.37).unwrap();
         let packed = pack(&m, None).unwrap().unwrap();
+        assert_eq!(packed_format(&m), Some(GgmlFormat::NVFP4));
+        // Rows that are not whole runs of 32 do not pack.
+        let odd = Nvfp4Matrix::new(1, 48, vec![0x21; 24], vec![0x38; 3], 1.0).unwrap();
+        assert!(packed_format(&odd).is_none() && pack(&odd, None).is_none());
         let (mut want, mut got) = (vec![0f32; cols], vec![f32::NAN; cols]);
         for r in 0..rows {
             m.dequant_row(r, &mut want);

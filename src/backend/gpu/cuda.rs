@@ -50,7 +50,7 @@ unsafe impl Send for CudaRuntime {}
 // SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 79] = [
+pub(crate) const KERNELS: [&str; 108] = [
     "silu_mul", "to_bf16", "add_inplace", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
     "gemv1_bf16_tokens", "gemv1_gate_up_bf16_tokens", "gemv1_fp8_tokens", "gemv1_gate_up_fp8_tokens", "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
@@ -63,7 +63,13 @@ pub(crate) const KERNELS: [&str; 79] = [
     "gemv1_mxfp4", "gemv1_nvfp4", "gemv1_rocmfp4", "gemv1_rocmfp4_fast", "gemv1_q5_0", "gemv1_q5_1",
     "gemv1_gate_up_q8_0", "gemv1_gate_up_q4_0", "gemv1_gate_up_q4_1", "gemv1_gate_up_q4_k", "gemv1_gate_up_q5_k",
     "gemv1_gate_up_q6_k", "gemv1_gate_up_iq4_nl", "gemv1_gate_up_iq4_xs", "gemv1_gate_up_mxfp4", "gemv1_gate_up_nvfp4",
-    "gemv1_gate_up_rocmfp4", "gemv1_gate_up_rocmfp4_fast", "gemv1_gate_up_q5_0", "gemv1_gate_up_q5_1",
+    "gemv1_gate_up_rocmfp4", "gemv1_gate_up_rocmfp4_fast", "gemv1_gate_up_q5_0", "gemv1_gate_up_q5_1", "moe_gemm_packed",
+    "moe_gate_up_q8_0", "moe_gate_up_q4_0", "moe_gate_up_q4_1", "moe_gate_up_q4_k", "moe_gate_up_q5_k",
+    "moe_gate_up_q6_k", "moe_gate_up_iq4_nl", "moe_gate_up_iq4_xs", "moe_gate_up_mxfp4", "moe_gate_up_nvfp4",
+    "moe_gate_up_rocmfp4", "moe_gate_up_rocmfp4_fast", "moe_gate_up_q5_0", "moe_gate_up_q5_1",
+    "moe_down_q8_0", "moe_down_q4_0", "moe_down_q4_1", "moe_down_q4_k", "moe_down_q5_k", "moe_down_q6_k",
+    "moe_down_iq4_nl", "moe_down_iq4_xs", "moe_down_mxfp4", "moe_down_nvfp4", "moe_down_rocmfp4",
+    "moe_down_rocmfp4_fast", "moe_down_q5_0", "moe_down_q5_1",
 ];
 
 /// Kernels that exist only where mma.sync does (kernels/linear.hip's BF16_ROWS_MMA, sm_80+).

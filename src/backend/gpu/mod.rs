@@ -172,9 +172,7 @@ impl GpuWeight {
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
             WeightFormat::Packed(format) => {
-                let input = self.cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2;
-                let slots = if dev.async_copy { packed_slot_bytes(format, self.cols).unwrap_or(0) } else { 0 };
-                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
+                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], packed_gemv_shared(format, self.cols, dev.async_copy) as u32)
             }
         }
     }
@@ -402,6 +400,12 @@ fn packed_slot_bytes(format: GgmlFormat, cols: usize) -> Option<usize> {
     Some(PK_ASYNC_SLOTS * 16 * (1088 + meta.div_ceil(16) * 16 + 16))
 }
 const PK_ASYNC_SLOTS: usize = 3;
+/// Dynamic shared memory of the packed one-token kernels over rows of `cols` values: the input
+/// staged as f16 in whole steps, and the weight slots where async copies stream the weights.
+fn packed_gemv_shared(format: GgmlFormat, cols: usize, async_copy: bool) -> usize {
+    let input = cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2;
+    input + if async_copy { packed_slot_bytes(format, cols).unwrap_or(0) } else { 0 }
+}
 /// Columns per step of the packed one-token kernels (PK_STEP).
 const PACKED_STEP: usize = 256;
 /// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.

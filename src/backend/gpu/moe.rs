@@ -16,12 +16,12 @@
 
 use super::runtime::Arg;
 use super::{
-    as_bytes, blocks, byte_size, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED, GEMV1_TOKENS,
+    as_bytes, blocks, byte_size, packed_gemv_shared, packed_kernel, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED, GEMV1_TOKENS,
     FP8_GEMV_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_MAX_STAGED, GEMV_ROWS, GEMV_THREADS,
 };
 use crate::backend::{compose_moe_block, Backend, GatedMlp, HostMlp, Routing, SharedExpert};
 use crate::quant::fp8::FP8_BLOCK;
-use crate::quant::{DType, QuantMatrix};
+use crate::quant::{packed, DType, GgmlFormat, QuantMatrix};
 use crate::{Error, Result};
 
 /// MOE_MAX_K of kernels/moe.hip: the most experts one token may take.
@@ -32,20 +32,45 @@ const MOE_CHUNK_TOKENS: usize = 4096;
 /// Threads of moe_count and moe_index.
 const MOE_INDEX_THREADS: u32 = 256;
 
-/// One projection of every expert of a layer: `[count, rows, cols]` in one buffer, bf16, or E4M3
-/// codes with their f32 scale grids `[count, ceil(rows/128), ceil(cols/128)]` in `scales`.
+/// How one projection's experts lie on the device.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum ExpertFormat {
+    Bf16,
+    Fp8,
+    /// Each expert's matrix in the device layout of `quant::packed`, as `upload_weight` keeps it.
+    Packed(GgmlFormat),
+}
+
+/// One projection of every expert of a layer, `[count, rows, cols]` in one buffer, an expert every
+/// `stride` bytes: bf16, E4M3 codes with their f32 scale grids `[count, ceil(rows/128),
+/// ceil(cols/128)]` in `scales`, or packed planes (rounded up to 256 bytes an expert, which keeps
+/// every plane as aligned as a weight of its own).
 struct Stacked {
     buf: DeviceBuffer,
     scales: Option<DeviceBuffer>,
+    format: ExpertFormat,
+    stride: usize,
+    /// Device bytes, scales included.
+    bytes: usize,
 }
 
 impl Stacked {
     fn scales(&self) -> u64 {
         self.scales.as_ref().map_or(0, |s| s.ptr)
     }
+
+    /// Kernel suffix, as `GpuWeight::suffix`: a shared expert with the same one joins the launch.
+    fn suffix(&self) -> &'static str {
+        match self.format {
+            ExpertFormat::Bf16 => "bf16",
+            ExpertFormat::Fp8 => "fp8",
+            ExpertFormat::Packed(f) => packed_kernel(f).1,
+        }
+    }
 }
 
-/// The routed experts of one layer on the GPU (see the module's documentation).
+/// The routed experts of one layer on the GPU (see the module's documentation). Gate and up share
+/// a format (one launch takes both); down may have another (Q4_K_M files keep it in Q6_K).
 pub struct GpuExperts {
     gate: Stacked,
     up: Stacked,
@@ -53,7 +78,13 @@ pub struct GpuExperts {
     count: usize,
     hidden: usize,
     inter: usize,
-    fp8: bool,
+}
+
+impl GpuExperts {
+    /// Bytes the experts take on the device.
+    pub fn device_bytes(&self) -> usize {
+        [&self.gate, &self.up, &self.down].iter().map(|s| s.bytes).sum()
+    }
 }
 
 /// Whether the GPU keeps `m` as FP8 (as `upload_weight` does): block-scaled codes, or synthetic
@@ -62,20 +93,32 @@ fn keeps_fp8(m: &dyn QuantMatrix) -> bool {
     m.fp8_blocks().is_some() || (m.synthetic().is_some() && m.dtype() == DType::F8E4M3)
 }
 
+/// The formats of the gate/up and the down stacks, from expert 0's matrices: FP8 when all three are;
+/// otherwise a block format stays packed (gate and up when both have the same one), and the rest is
+/// widened to bf16.
+fn expert_formats(first: &HostMlp) -> (ExpertFormat, ExpertFormat) {
+    if [&first.gate, &first.up, &first.down].iter().all(|m| keeps_fp8(m.as_ref())) {
+        return (ExpertFormat::Fp8, ExpertFormat::Fp8);
+    }
+    let packed = |m: &dyn QuantMatrix| packed::packed_format(m).map_or(ExpertFormat::Bf16, ExpertFormat::Packed);
+    let (gate, up) = (packed(first.gate.as_ref()), packed(first.up.as_ref()));
+    (if gate == up { gate } else { ExpertFormat::Bf16 }, packed(first.down.as_ref()))
+}
+
 impl GpuBackend {
     /// `Backend::upload_experts`: the stacked buffers are sized from expert 0, then every expert is
-    /// copied into its slice as it arrives (one expert's matrices on the host at a time). FP8 stays
-    /// FP8 when all three of expert 0's matrices are FP8; otherwise every expert is widened to bf16.
+    /// copied into its slice as it arrives (one expert's matrices on the host at a time), in the
+    /// formats `expert_formats` picks.
     pub(super) fn stack_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<HostMlp>) -> Result<GpuExperts> {
         if count == 0 {
             return Err(Error::InvalidArgument("a mixture of no experts".into()));
         }
         let first = expert(0)?;
         let (inter, hidden) = (first.gate.rows(), first.gate.cols());
-        let fp8 = [&first.gate, &first.up, &first.down].iter().all(|m| keeps_fp8(m.as_ref()));
-        let gate = self.stacked(count, inter, hidden, fp8)?;
-        let up = self.stacked(count, inter, hidden, fp8)?;
-        let down = self.stacked(count, hidden, inter, fp8)?;
+        let (gate_up, down_format) = expert_formats(&first);
+        let gate = self.stacked(count, inter, hidden, gate_up)?;
+        let up = self.stacked(count, inter, hidden, gate_up)?;
+        let down = self.stacked(count, hidden, inter, down_format)?;
         let mut next = Some(first);
         for n in 0..count {
             let m = match next.take() {
@@ -92,58 +135,79 @@ impl GpuBackend {
                         w.cols()
                     )));
                 }
-                self.upload_slice(w.as_ref(), stack, n, fp8)?;
+                self.upload_slice(w.as_ref(), stack, n)?;
             }
         }
-        Ok(GpuExperts { gate, up, down, count, hidden, inter, fp8 })
+        Ok(GpuExperts { gate, up, down, count, hidden, inter })
     }
 
-    fn stacked(&self, count: usize, rows: usize, cols: usize, fp8: bool) -> Result<Stacked> {
+    fn stacked(&self, count: usize, rows: usize, cols: usize, format: ExpertFormat) -> Result<Stacked> {
         let what = format!("{count} experts' weights [{rows}, {cols}]");
-        let buf = DeviceBuffer::new(&self.rt, byte_size(&what, &[count, rows, cols, if fp8 { 1 } else { 2 }])?)?;
-        let scales = if fp8 {
-            let grid = [count, rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK), 4];
-            Some(DeviceBuffer::new(&self.rt, byte_size(&what, &grid)?)?)
-        } else {
-            None
+        let stride = match format {
+            ExpertFormat::Bf16 => byte_size(&what, &[rows, cols, 2])?,
+            ExpertFormat::Fp8 => byte_size(&what, &[rows, cols])?,
+            ExpertFormat::Packed(f) => packed::plane_offsets(f, rows, cols)
+                .and_then(|p| p.2.checked_next_multiple_of(256))
+                .ok_or_else(|| Error::InvalidArgument(format!("{what}: too large")))?,
         };
-        Ok(Stacked { buf, scales })
+        let codes = byte_size(&what, &[count, stride])?;
+        let buf = DeviceBuffer::new(&self.rt, codes)?;
+        let (scales, scale_bytes) = if format == ExpertFormat::Fp8 {
+            let bytes = byte_size(&what, &[count, rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK), 4])?;
+            (Some(DeviceBuffer::new(&self.rt, bytes)?), bytes)
+        } else {
+            (None, 0)
+        };
+        Ok(Stacked { buf, scales, format, stride, bytes: codes + scale_bytes })
     }
 
     /// Writes `w` (already checked to be `[rows, cols]` of the stack) into slice `n`.
-    fn upload_slice(&self, w: &dyn QuantMatrix, stack: &Stacked, n: usize, fp8: bool) -> Result<()> {
+    fn upload_slice(&self, w: &dyn QuantMatrix, stack: &Stacked, n: usize) -> Result<()> {
         let (rows, cols) = (w.rows(), w.cols());
         let elems = rows * cols;
-        if fp8 {
-            let grid = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
-            let codes_at = stack.buf.ptr + (n * elems) as u64;
-            let scales_at = stack.scales() + (n * grid * 4) as u64;
-            if let Some((codes, scales)) = w.fp8_blocks() {
-                if codes.len() != elems || scales.len() != grid {
-                    return Err(Error::InvalidArgument(format!("expert {n}: FP8 matrix [{rows}, {cols}] of {} codes and {} scales", codes.len(), scales.len())));
+        let at = stack.buf.ptr + (n * stack.stride) as u64;
+        let mixed = |format: &str| {
+            Error::Unsupported(format!("expert {n} is stored as {} where expert 0 is {format}: one layer's experts in mixed formats", w.dtype().name()))
+        };
+        match stack.format {
+            ExpertFormat::Fp8 => {
+                let grid = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
+                let scales_at = stack.scales() + (n * grid * 4) as u64;
+                if let Some((codes, scales)) = w.fp8_blocks() {
+                    if codes.len() != elems || scales.len() != grid {
+                        return Err(Error::InvalidArgument(format!("expert {n}: FP8 matrix [{rows}, {cols}] of {} codes and {} scales", codes.len(), scales.len())));
+                    }
+                    self.rt.upload(at, codes)?;
+                    return self.rt.upload(scales_at, as_bytes(scales));
                 }
-                self.rt.upload(codes_at, codes)?;
-                return self.rt.upload(scales_at, as_bytes(scales));
+                match w.synthetic() {
+                    Some((seed, scale)) if w.dtype() == DType::F8E4M3 => {
+                        let args = [Arg::Ptr(at), Arg::I64(elems as i64), Arg::U64(seed)];
+                        self.rt.launch("fill_random_fp8", [blocks(elems, BLOCK).min(65535 * 8), 1, 1], [BLOCK, 1, 1], 0, &args)?;
+                        self.rt.upload(scales_at, as_bytes(&vec![scale; grid]))
+                    }
+                    _ => Err(mixed("FP8")),
+                }
             }
-            return match w.synthetic() {
-                Some((seed, scale)) if w.dtype() == DType::F8E4M3 => {
-                    let args = [Arg::Ptr(codes_at), Arg::I64(elems as i64), Arg::U64(seed)];
-                    self.rt.launch("fill_random_fp8", [blocks(elems, BLOCK).min(65535 * 8), 1, 1], [BLOCK, 1, 1], 0, &args)?;
-                    self.rt.upload(scales_at, as_bytes(&vec![scale; grid]))
+            ExpertFormat::Packed(format) => match packed::pack(w, None) {
+                Some(p) => {
+                    let p = p?;
+                    if p.format != format {
+                        return Err(mixed(format.name()));
+                    }
+                    self.rt.upload(at, &p.bytes)
                 }
-                _ => Err(Error::Unsupported(format!(
-                    "expert {n} is stored as {} where expert 0 is FP8: one layer's experts in mixed formats",
-                    w.dtype().name()
-                ))),
-            };
+                None => Err(mixed(format.name())),
+            },
+            ExpertFormat::Bf16 => {
+                if let Some((seed, scale)) = w.synthetic().filter(|_| w.dtype() != DType::F8E4M3) {
+                    let args = [Arg::Ptr(at), Arg::I64(elems as i64), Arg::U64(seed), Arg::F32(scale)];
+                    return self.rt.launch("fill_random_bf16", [blocks(elems, BLOCK).min(65535 * 8), 1, 1], [BLOCK, 1, 1], 0, &args);
+                }
+                // Widened on the host, as upload_weight does.
+                self.upload_widened(w, at)
+            }
         }
-        let at = stack.buf.ptr + (n * elems * 2) as u64;
-        if let Some((seed, scale)) = w.synthetic().filter(|_| w.dtype() != DType::F8E4M3) {
-            let args = [Arg::Ptr(at), Arg::I64(elems as i64), Arg::U64(seed), Arg::F32(scale)];
-            return self.rt.launch("fill_random_bf16", [blocks(elems, BLOCK).min(65535 * 8), 1, 1], [BLOCK, 1, 1], 0, &args);
-        }
-        // Widened on the host, as upload_weight does.
-        self.upload_widened(w, at)
     }
 
     /// `Backend::moe_add`.
@@ -191,10 +255,13 @@ impl GpuBackend {
         routing: Routing,
     ) -> Result<()> {
         let (h, i) = (ex.hidden, ex.inter);
-        let same = |w: &GpuWeight, rows, cols| (w.rows, w.cols) == (rows, cols) && w.suffix() == if ex.fp8 { "fp8" } else { "bf16" };
+        let same = |w: &GpuWeight, stack: &Stacked, rows, cols| (w.rows, w.cols) == (rows, cols) && w.suffix() == stack.suffix();
         let t = x.rows;
         let shared_fits = shared.as_ref().is_none_or(|s| {
-            same(&s.mlp.gate, i, h) && same(&s.mlp.up, i, h) && same(&s.mlp.down, h, i) && (s.gate_logits.rows, s.gate_logits.cols) == (t, 1)
+            same(&s.mlp.gate, &ex.gate, i, h)
+                && same(&s.mlp.up, &ex.up, i, h)
+                && same(&s.mlp.down, &ex.down, h, i)
+                && (s.gate_logits.rows, s.gate_logits.cols) == (t, 1)
         });
         // One token, or a few (checking drafts) one at a time, each as a decode step runs it.
         let fused = (1..=GEMV1_TOKENS).contains(&t)
@@ -204,7 +271,7 @@ impl GpuBackend {
             && logits.cols == ex.count
             && (1..=ex.count.min(MOE_MAX_K)).contains(&routing.top_k)
             && shared_fits
-            && (ex.fp8 || h <= GEMV_MAX_STAGED)
+            && (ex.gate.format != ExpertFormat::Bf16 || h <= GEMV_MAX_STAGED)
             && self.moe_gemv_fits(ex);
         if !fused {
             return compose_moe_block(self, x, norm, eps, logits, ex, shared, routing);
@@ -219,16 +286,18 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// Whether the one-token expert GEMVs take these experts: whole 16-byte chunks per row, and
-    /// for FP8 an input staged in shared memory that fits.
+    /// Whether the one-token expert GEMVs take these experts: for bf16 whole 8-value chunks per row,
+    /// for FP8 whole 16-value chunks and an input staged in shared memory that fits; packed
+    /// formats (whole runs already) the staged input and their weight slots.
     fn moe_gemv_fits(&self, ex: &GpuExperts) -> bool {
         let (h, i) = (ex.hidden, ex.inter);
-        if ex.fp8 {
-            let staged = fp8_staged(h.max(i)) + FP8_GEMV_STATIC_SHARED as usize;
-            h % 16 == 0 && i % 16 == 0 && staged <= self.rt.max_shared_bytes() as usize
-        } else {
-            h % 8 == 0 && i % 8 == 0
-        }
+        [(&ex.gate, h), (&ex.down, i)].into_iter().all(|(stack, k)| match stack.format {
+            ExpertFormat::Bf16 => k % 8 == 0,
+            ExpertFormat::Fp8 => k % 16 == 0 && fp8_staged(k) + FP8_GEMV_STATIC_SHARED as usize <= self.rt.max_shared_bytes() as usize,
+            ExpertFormat::Packed(f) => {
+                packed_gemv_shared(f, k, self.gemv_device().async_copy) + FP8_GEMV_STATIC_SHARED as usize <= self.rt.max_shared_bytes() as usize
+            }
+        })
     }
 
     /// Routing of `tokens` rows of router logits into ids and weights `[tokens, top_k]`.
@@ -299,20 +368,41 @@ impl GpuBackend {
             Arg::I32(k as i32),
         ];
         let k32 = slots as u32;
-        if ex.fp8 {
-            let block = [FP8_GEMV_THREADS, 1, 1];
-            // moe_down_fp8 takes two tiles of rows a block.
-            let (gi, gh) = ([blocks(i, FP8_GEMV_ROWS), k32, 1], [blocks(h, 2 * FP8_GEMV_ROWS), k32, 1]);
-            self.rt.launch("moe_gate_up_fp8", gi, block, fp8_staged(h) as u32, &gate_up)?;
-            self.rt.launch("moe_down_fp8", gh, block, fp8_staged(i) as u32, &down)?;
-        } else {
-            let rows = GEMV_ROWS * GEMV_THREADS / self.rt.warp_size();
-            let block = [GEMV_THREADS, 1, 1];
-            // The input normalised into shared memory (f32) when the norm is fused.
-            let staged = if norm.is_some() { (h * 4) as u32 } else { 0 };
-            self.rt.launch("moe_gate_up_bf16", [blocks(i, rows), k32, 1], block, staged, &gate_up)?;
-            self.rt.launch("moe_down_bf16", [blocks(h, rows), k32, 1], block, 0, &down)?;
-        }
+        let async_copy = self.gemv_device().async_copy;
+        let (gate_up_launch, down_launch) = match (ex.gate.format, ex.down.format) {
+            (ExpertFormat::Fp8, _) => {
+                let block = [FP8_GEMV_THREADS, 1, 1];
+                // moe_down_fp8 takes two tiles of rows a block.
+                (
+                    ([blocks(i, FP8_GEMV_ROWS), k32, 1], block, fp8_staged(h) as u32),
+                    ([blocks(h, 2 * FP8_GEMV_ROWS), k32, 1], block, fp8_staged(i) as u32),
+                )
+            }
+            (gate_format, down_format) => {
+                let rows = GEMV_ROWS * GEMV_THREADS / self.rt.warp_size();
+                let launch = |format, n: usize, k: usize, packed_rows: u32, staged: u32| match format {
+                    ExpertFormat::Packed(f) => {
+                        ([blocks(n, packed_rows), k32, 1], [FP8_GEMV_THREADS, 1, 1], packed_gemv_shared(f, k, async_copy) as u32)
+                    }
+                    // The input normalised into shared memory (f32) when the norm is fused.
+                    _ => ([blocks(n, rows), k32, 1], [GEMV_THREADS, 1, 1], staged),
+                };
+                let staged = if norm.is_some() { (h * 4) as u32 } else { 0 };
+                // The packed gate/up kernels take 8 gate rows and their 8 up rows a block.
+                (launch(gate_format, i, h, FP8_GEMV_ROWS / 2, staged), launch(down_format, h, i, FP8_GEMV_ROWS, 0))
+            }
+        };
+        let with_stride = |args: &[Arg], stack: &Stacked| {
+            let mut args = args.to_vec();
+            if let ExpertFormat::Packed(_) = stack.format {
+                args.push(Arg::I64(stack.stride as i64));
+            }
+            args
+        };
+        let (grid, block, shared_bytes) = gate_up_launch;
+        self.rt.launch(&format!("moe_gate_up_{}", ex.gate.suffix()), grid, block, shared_bytes, &with_stride(&gate_up, &ex.gate))?;
+        let (grid, block, shared_bytes) = down_launch;
+        self.rt.launch(&format!("moe_down_{}", ex.down.suffix()), grid, block, shared_bytes, &with_stride(&down, &ex.down))?;
         let shared_logit = shared.map_or(0, |s| s.gate_logits.buf.ptr);
         let args = [Arg::Ptr(y.ptr), Arg::Ptr(0), Arg::Ptr(weights.ptr), Arg::Ptr(shared_logit), Arg::I32(k as i32), Arg::I32(h as i32), Arg::Ptr(out)];
         self.rt.launch("moe_combine", [blocks(h, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &args)
@@ -356,8 +446,16 @@ impl GpuBackend {
         let args = [Arg::Ptr(x), Arg::Ptr(rows.ptr), Arg::I32(k as i32), Arg::I32(h as i32), Arg::Ptr(xg.buf.ptr)];
         self.rt.launch("moe_gather", [n as u32, 1, 1], [BLOCK, 1, 1], 0, &args)?;
 
-        let kernel = if ex.fp8 { "moe_gemm_fp8" } else { "moe_gemm_bf16" };
+        let kernel = |w: &Stacked| match w.format {
+            ExpertFormat::Bf16 => "moe_gemm_bf16",
+            ExpertFormat::Fp8 => "moe_gemm_fp8",
+            ExpertFormat::Packed(_) => "moe_gemm_packed",
+        };
         let grouped = |w: &Stacked, y: u64, w2: &Stacked, y2: u64, x: u64, cols: usize, width: usize| {
+            let format = match w.format {
+                ExpertFormat::Packed(f) => packed_kernel(f).0,
+                _ => 0,
+            };
             [
                 Arg::Ptr(w.buf.ptr),
                 Arg::Ptr(w.scales()),
@@ -371,16 +469,18 @@ impl GpuBackend {
                 Arg::I32(e as i32),
                 Arg::I32(cols as i32),
                 Arg::I32(width as i32),
+                Arg::I32(format),
+                Arg::I64(w.stride as i64),
             ]
         };
         let (g, u) = (self.tensor(n, i)?, self.tensor(n, i)?);
         let args = grouped(&ex.gate, g.buf.ptr, &ex.up, u.buf.ptr, xg.buf.ptr, i, h);
-        self.rt.launch(kernel, [blocks(i, GEMM_BN as u32), max_tiles as u32, 2], [GEMM_THREADS, 1, 1], 0, &args)?;
+        self.rt.launch(kernel(&ex.gate), [blocks(i, GEMM_BN as u32), max_tiles as u32, 2], [GEMM_THREADS, 1, 1], 0, &args)?;
         let act = self.silu_mul(&g, &u)?;
         drop((g, u, xg));
         let y = self.tensor(n, h)?;
         let args = grouped(&ex.down, y.buf.ptr, &ex.down, y.buf.ptr, act.buf.ptr, h, i);
-        self.rt.launch(kernel, [blocks(h, GEMM_BN as u32), max_tiles as u32, 1], [GEMM_THREADS, 1, 1], 0, &args)?;
+        self.rt.launch(kernel(&ex.down), [blocks(h, GEMM_BN as u32), max_tiles as u32, 1], [GEMM_THREADS, 1, 1], 0, &args)?;
 
         let args = [
             Arg::Ptr(y.buf.ptr),
