@@ -413,15 +413,19 @@ struct Fp8Stage {
 // is what an H200 needs to approach its bandwidth (its GEMVs of the Qwen3.6-27B shape alone: 2.5-2.7
 // TB/s in registers, 2.9-3.2 so). A slot holds 8 128-column blocks of every tile row (each row's
 // 1 KB copied as two 512-byte pieces, one per warp instruction, as DRAM likes them) and their
-// scales; FP8_ASYNC_SLOTS slots take turns, all but one in flight. Unit u consumes block u of each
+// scales; SLOTS slots take turns, all but one in flight. Unit u consumes block u of each
 // slot: the blocks, and the order, that the register pipeline gives it, so both give the same
 // bits. Rows are FP8_SLOT_ROW bytes apart (1 KB + 64) so that lanes reading rows g and g + 1 hit
 // different banks. The two-tile kernel (gate/up) keeps registers: its slots would leave room for
-// one block an SM, and its two tiles already keep twice the bytes in flight.
+// one block an SM, and its two tiles already keep twice the bytes in flight. Three slots, or two
+// for long rows (gemv1_fp8_long): there three slots and the staged input leave room for two blocks
+// an SM, and a grid of a little more than a wave of them waits on its last blocks (an H200, the
+// Qwen3.6-27B down projection, K 17408: 38.2 us with three slots, 28.9 with two, three blocks an SM).
 #define FP8_ASYNC_SLOTS 3
+#define FP8_ASYNC_SLOTS_LONG 2
 #define FP8_SLOT_ROW 1088
 #define FP8_SLOT_SCALES 9  // floats per row (8 used; the ninth spreads rows over banks)
-template <int TILES>
+template <int TILES, int SLOTS>
 struct Fp8Async {
     static constexpr int ROWS = TILES * 16;
     static constexpr int SLOT_BYTES = ROWS * FP8_SLOT_ROW + ROWS * FP8_SLOT_SCALES * 4;
@@ -431,7 +435,7 @@ struct Fp8Async {
     int chunks, kblocks;
     // Issues the copies of slot-load `st` (blocks 8 st .. 8 st + 7) and closes its group.
     __device__ __forceinline__ void issue(int st) const {
-        unsigned char* slot = slots + (st % FP8_ASYNC_SLOTS) * SLOT_BYTES;
+        unsigned char* slot = slots + (st % SLOTS) * SLOT_BYTES;
         for (int p = threadIdx.x; p < ROWS * 64; p += blockDim.x) {
             const int row = p / 64, piece = p % 64, c = st * 64 + piece;
             async_copy16(slot + row * FP8_SLOT_ROW + piece * 16, rows[row] + (c < chunks ? c * 16 : 0), c < chunks);
@@ -445,7 +449,7 @@ struct Fp8Async {
     }
     // Lane (g, t) of unit `unit`: its chunks and scales of slot-load `st`, as Fp8Stage::fetch gives them.
     __device__ __forceinline__ void read(int st, int unit, int g, int t, Fp8Stage<TILES>& out) const {
-        const unsigned char* slot = slots + (st % FP8_ASYNC_SLOTS) * SLOT_BYTES;
+        const unsigned char* slot = slots + (st % SLOTS) * SLOT_BYTES;
         const float* s = (const float*)(slot + ROWS * FP8_SLOT_ROW);
 #pragma unroll
         for (int i = 0; i < TILES; i++)
@@ -468,7 +472,8 @@ struct Fp8Async {
 // token. Either way a token's products and sums are those it gets alone (an mma column is computed
 // from its own inputs only), so its result does not depend on the others: decode steps of several
 // tokens give each the bits of a single step.
-template <int TILES, int TOKENS, bool ASYNC>
+// SLOTS: 0, the register pipeline; else Fp8Async's slots (one tile and one token only).
+template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                              float eps, int K, int tokens, float (&out)[TILES]) {
     __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
@@ -480,10 +485,10 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     // Both pipelines' state; the one not taken is left unused.
     Fp8Stage<TILES> st[2];
     auto fetch = [&](Fp8Stage<TILES>& stage, int kb) { stage.fetch(tiles, kb, kblocks, chunks, t); };
-    const Fp8Async<TILES> async = {fp8_dynamic + tokens * fp8_padded(K, FP8_BLOCK) * 2, row_table, scale_table, chunks, kblocks};
+    const Fp8Async<TILES, SLOTS == 0 ? 2 : SLOTS> async = {fp8_dynamic + tokens * fp8_padded(K, FP8_BLOCK) * 2, row_table, scale_table, chunks, kblocks};
     const int loads = (kblocks + 7) / 8;
     pdl_launch_dependents();
-    if constexpr (ASYNC) {
+    if constexpr (SLOTS > 0) {
         if (unit == 0 && t == 0)
 #pragma unroll
             for (int i = 0; i < TILES; i++)
@@ -494,7 +499,7 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
                 }
         __syncthreads();
 #pragma unroll
-        for (int l = 0; l < FP8_ASYNC_SLOTS - 1; l++) {
+        for (int l = 0; l < SLOTS - 1; l++) {
             if (l < loads) async.issue(l);
             else async_commit();  // an empty group keeps the count async_wait relies on
         }
@@ -566,11 +571,11 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
         }
     };
 #endif
-    if constexpr (ASYNC) {
+    if constexpr (SLOTS > 0) {
         for (int l = 0; l < loads; l++) {
-            async_wait<FP8_ASYNC_SLOTS - 2>();  // this thread's copies of load l have landed
-            __syncthreads();                    // everyone's; and the slot load l - 1 used is free
-            if (l + FP8_ASYNC_SLOTS - 1 < loads) async.issue(l + FP8_ASYNC_SLOTS - 1);
+            async_wait<SLOTS - 2>();  // this thread's copies of load l have landed
+            __syncthreads();          // everyone's; and the slot load l - 1 used is free
+            if (l + SLOTS - 1 < loads) async.issue(l + SLOTS - 1);
             else async_commit();
             const int kb = l * 8 + unit;
             if (kb < kblocks) {
@@ -649,7 +654,7 @@ __device__ __forceinline__ void bf16_split8(const float (&x)[8], unsigned int (&
     }
 }
 
-template <int TILES, int TOKENS>
+template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                          float eps, int K, int tokens, float (&out)[TILES]) {
     __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
@@ -723,17 +728,17 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
 }
 #endif
 
-// The tiled kernels' dot products, by the weights' row type.
-template <int TILES, int TOKENS>
+// The tiled kernels' dot products, by the weights' row type; SLOTS as fp8_rows_dot's (bf16 has none).
+template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                          float eps, int K, int tokens, float (&out)[TILES]) {
-    fp8_rows_dot<TILES, TOKENS, TILES == 1 && TOKENS == 1 && ASYNC_COPY>(tiles, x, norm_w, eps, K, tokens, out);
+    fp8_rows_dot<TILES, TOKENS, ASYNC_COPY ? SLOTS : 0>(tiles, x, norm_w, eps, K, tokens, out);
 }
 
 // As gemv1_bf16 (up to four projections of one input, the residual added to the first), in tiles of 16 rows: FP8 weights (Rows = Fp8Rows, W = unsigned char) with scale grids
 // s0..s3, or bf16 on matrix cores (Bf16Rows, W = bf16; no scales), for `tokens` (1..TOKENS) rows
 // of x [tokens, K]: y0..y3 and the residual are [tokens, n_i].
-template <class Rows, class W, int TOKENS>
+template <class Rows, class W, int TOKENS, int SLOTS = 0>
 __device__ __forceinline__ void gemv1_tiled_rows(const W* w0, const W* w1, const W* w2, const W* w3, const float* s0,
                                                  const float* s1, const float* s2, const float* s3, const float* b0,
                                                  const float* b1, const float* b2, const float* b3, float* y0, float* y1,
@@ -752,7 +757,7 @@ __device__ __forceinline__ void gemv1_tiled_rows(const W* w0, const W* w1, const
         tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
     float out[1];
-    rows_dot<1, TOKENS>(tile, x, norm_w, eps, K, tokens, out);
+    rows_dot<1, TOKENS, SLOTS>(tile, x, norm_w, eps, K, tokens, out);
     const int r = threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || blockIdx.x * 16 + r >= total) return;
     int seg, n;
@@ -770,8 +775,18 @@ ATLAS_KERNEL void gemv1_fp8(const unsigned char* w0, const unsigned char* w1, co
                             const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
                             float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
                             const float* norm_w, float eps, const float* residual, int K) {
-    gemv1_tiled_rows<Fp8Rows, unsigned char, 1>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
+    gemv1_tiled_rows<Fp8Rows, unsigned char, 1, FP8_ASYNC_SLOTS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
                       residual, K, 1);
+}
+
+// The same with FP8_ASYNC_SLOTS_LONG slots (the same bits), for long rows.
+ATLAS_KERNEL void gemv1_fp8_long(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                                 const unsigned char* w3, const float* s0, const float* s1, const float* s2,
+                                 const float* s3, const float* b0, const float* b1, const float* b2, const float* b3,
+                                 float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3,
+                                 const float* x, const float* norm_w, float eps, const float* residual, int K) {
+    gemv1_tiled_rows<Fp8Rows, unsigned char, 1, FP8_ASYNC_SLOTS_LONG>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2,
+                                                                       n3, x, norm_w, eps, residual, K, 1);
 }
 
 ATLAS_KERNEL void gemv1_fp8_tokens(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
@@ -800,7 +815,7 @@ __device__ __forceinline__ void gemv1_gate_up_tiled_rows(const W* g, const W* u,
         tiles[1].set(h, u, su, n, K);
     }
     float gu[2];
-    rows_dot<2, TOKENS>(tiles, x, norm_w, eps, K, tokens, gu);
+    rows_dot<2, TOKENS, 0>(tiles, x, norm_w, eps, K, tokens, gu);
     const int n = blockIdx.x * 16 + threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || n >= N) return;
     const float gv = gu[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = gu[1] + (up_bias ? up_bias[n] : 0.0f);

@@ -185,7 +185,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
         tiles[1].set(h, u, us, n, H);
     }
     float gu[2];
-    fp8_rows_dot<2, 1, false>(tiles, x, norm_w, eps, H, 1, gu);
+    fp8_rows_dot<2, 1, 0>(tiles, x, norm_w, eps, H, 1, gu);
     const int n = blockIdx.x * 16 + threadIdx.x;
     if (threadIdx.x >= 16 || n >= I) return;
     act[(long)s * I + n] = gu[0] / (1.0f + expf(-gu[0])) * gu[1];
@@ -210,7 +210,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
             tiles[i].set(h, d, ds, row < H ? row : 0, I);
         }
     float out[2];
-    fp8_rows_dot<2, 1, false>(tiles, act + (long)s * I, nullptr, 0.0f, I, 1, out);
+    fp8_rows_dot<2, 1, 0>(tiles, act + (long)s * I, nullptr, 0.0f, I, 1, out);
     if (threadIdx.x >= 16) return;
 #pragma unroll
     for (int i = 0; i < 2; i++) {

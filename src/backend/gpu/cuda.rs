@@ -36,6 +36,7 @@ pub struct CudaRuntime {
     /// previous one ends.
     early_launch: bool,
     max_shared_bytes: u32,
+    multiprocessors: u32,
     /// Compiled for sm_90a: the WGMMA_KERNELS exist.
     wgmma: bool,
     /// Compute capability 8.0 or later: mma.sync, and the MMA_KERNELS; cp.async.
@@ -50,10 +51,10 @@ unsafe impl Send for CudaRuntime {}
 // SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 108] = [
+pub(crate) const KERNELS: [&str; 109] = [
     "silu_mul", "to_bf16", "add_inplace", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
-    "gemv1_bf16_tokens", "gemv1_gate_up_bf16_tokens", "gemv1_fp8_tokens", "gemv1_gate_up_fp8_tokens", "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
+    "gemv1_bf16_tokens", "gemv1_gate_up_bf16_tokens", "gemv1_fp8_tokens", "gemv1_fp8_long", "gemv1_gate_up_fp8_tokens", "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
     "logit_adjust", "log_partition", "draw_in_order",
     "moe_route", "moe_gate_up_bf16", "moe_gate_up_fp8", "moe_down_bf16", "moe_down_fp8", "moe_count", "moe_index",
     "moe_gather", "moe_gemm_bf16", "moe_gemm_fp8", "moe_combine",
@@ -124,6 +125,7 @@ impl CudaRuntime {
             functions: HashMap::new(),
             early_launch: false,
             max_shared_bytes: 0,
+            multiprocessors: 0,
             wgmma: false,
             mma: false,
             description: String::new(),
@@ -155,6 +157,9 @@ impl CudaRuntime {
             cu::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         }
         .map_err(|e| dev_err("shared memory size", e))?;
+        // SAFETY: as above.
+        let sms = unsafe { cu::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }
+            .map_err(|e| dev_err("multiprocessor count", e))?;
         let mma = major >= 8;
         let optional = [(mma, &MMA_KERNELS[..]), (wgmma, &WGMMA_KERNELS[..])];
         let extra = optional.iter().filter(|(present, _)| *present).flat_map(|(_, names)| names.iter());
@@ -181,6 +186,7 @@ impl CudaRuntime {
         rt.wgmma = wgmma;
         rt.mma = mma;
         rt.max_shared_bytes = max_shared as u32;
+        rt.multiprocessors = u32::try_from(sms).unwrap_or(0);
         Ok(rt)
     }
 
@@ -270,6 +276,10 @@ impl Runtime for CudaRuntime {
 
     fn max_shared_bytes(&self) -> u32 {
         self.max_shared_bytes
+    }
+
+    fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
     }
 
     fn bf16_gemv_on_matrix_cores(&self) -> bool {

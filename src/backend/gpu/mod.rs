@@ -168,7 +168,7 @@ impl GpuWeight {
             }
             WeightFormat::Fp8 { .. } => {
                 let input = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
-                let slots = if dev.async_copy && !several && tiles == 1 { FP8_ASYNC_SLOTS * FP8_SLOT_TILE_BYTES } else { 0 };
+                let slots = if dev.async_copy && !several && tiles == 1 { fp8_slots(self.cols, rows, dev) * FP8_SLOT_TILE_BYTES } else { 0 };
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
             WeightFormat::Packed(format) => {
@@ -217,11 +217,15 @@ impl GpuWeight {
             .unwrap_or(0)
     }
 
-    /// The kernel for `tokens` rows of input from its stem ("gemv1", "gemv1_gate_up"), and the
-    /// token count argument that the several-token kernels take after the others.
-    fn gemv1_kernel(&self, stem: &str, tokens: usize, dev: GemvDevice) -> (String, Option<Arg>) {
+    /// The kernel for `tokens` rows of input and `rows` outputs from its stem ("gemv1",
+    /// "gemv1_gate_up"), and the token count argument that the several-token kernels take after
+    /// the others.
+    fn gemv1_kernel(&self, stem: &str, tokens: usize, rows: usize, dev: GemvDevice) -> (String, Option<Arg>) {
         let name = match self.format {
             WeightFormat::Bf16 if dev.bf16_mma => format!("{}_mma", self.kernel(stem)),
+            WeightFormat::Fp8 { .. } if stem == "gemv1" && tokens == 1 && dev.async_copy && fp8_slots(self.cols, rows, dev) == FP8_ASYNC_SLOTS_LONG => {
+                format!("{}_long", self.kernel(stem))
+            }
             _ => self.kernel(stem),
         };
         match self.format {
@@ -240,6 +244,7 @@ struct GemvDevice {
     warp_size: u32,
     bf16_mma: bool,
     async_copy: bool,
+    multiprocessors: u32,
 }
 
 pub struct GpuKvCache {
@@ -386,7 +391,30 @@ const GEMV1_TOKENS: usize = 8;
 /// Fp8Async): FP8_ASYNC_SLOTS of them, each 16 rows of FP8_SLOT_ROW bytes and FP8_SLOT_SCALES
 /// floats.
 const FP8_ASYNC_SLOTS: usize = 3;
+const FP8_ASYNC_SLOTS_LONG: usize = 2;
 const FP8_SLOT_TILE_BYTES: usize = 16 * (1088 + 9 * 4);
+/// The slots of the FP8 one-token, one-tile kernel over rows of `cols` values, for `rows` outputs:
+/// three (gemv1_fp8), or two (gemv1_fp8_long) where its smaller blocks, more of them an SM, fill
+/// the last wave of the grid at least a tenth better. A grid of a little more than one wave waits
+/// on its last blocks (kernels/linear.hip). An SM's shared memory is taken as a block's limit
+/// + 1 KB, as on NVIDIA's sm_80 and later (the only devices with the slots).
+fn fp8_slots(cols: usize, rows: usize, dev: GemvDevice) -> usize {
+    let grid = rows.div_ceil(FP8_GEMV_ROWS as usize);
+    let per_sm = dev.max_shared as usize + 1024;
+    let filled = |slots: usize| {
+        let block = cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 + slots * FP8_SLOT_TILE_BYTES + FP8_GEMV_STATIC_SHARED as usize;
+        let wave = dev.multiprocessors as usize * (per_sm / block);
+        if wave == 0 {
+            return 0.0;
+        }
+        grid as f64 / (grid.div_ceil(wave) * wave) as f64
+    };
+    if dev.multiprocessors > 0 && filled(FP8_ASYNC_SLOTS_LONG) > filled(FP8_ASYNC_SLOTS) + 0.1 {
+        FP8_ASYNC_SLOTS_LONG
+    } else {
+        FP8_ASYNC_SLOTS
+    }
+}
 /// The packed one-token kernels' slots in shared memory (kernels/linear.hip's PkAsync), for rows
 /// of `cols` values where they stream through them (formats without high bits, a row's meta bytes
 /// a multiple of 4: pk_async_fits): PK_ASYNC_SLOTS slots of 16 rows, each row's codes (1088
@@ -492,6 +520,7 @@ impl GpuBackend {
             warp_size: self.rt.warp_size(),
             bf16_mma: self.rt.bf16_gemv_on_matrix_cores() && self.several_sequences.load(Ordering::Relaxed),
             async_copy: self.rt.has_async_copy(),
+            multiprocessors: self.rt.multiprocessors(),
         }
     }
 
@@ -602,7 +631,7 @@ impl GpuBackend {
             args.extend([Arg::Ptr(x.buf.ptr + at(x.cols)), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual), Arg::I32(x.cols as i32)]);
             // An input of several rows takes the several-token kernel even for a last group of one,
             // which gives it the same bits.
-            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, self.gemv_device());
+            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             let (grid, block, shared) = w.gemv1_launch(rows, 1, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
@@ -1335,7 +1364,7 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, self.gemv_device());
+            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, g.rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
             let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };

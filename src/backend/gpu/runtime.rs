@@ -181,6 +181,11 @@ pub trait Runtime: Send + Sync {
     fn has_async_copy(&self) -> bool {
         false
     }
+    /// Multiprocessors (compute units) of the device; 0 where unknown. Launch shapes that depend on
+    /// how a grid fills the device in waves use it.
+    fn multiprocessors(&self) -> u32 {
+        0
+    }
     /// True where the kernels were compiled with Hopper's wgmma (NVIDIA sm_90a): the `gemm_wg_*`
     /// kernels exist (kernels/gemm.hip).
     fn has_wgmma(&self) -> bool {
