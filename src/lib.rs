@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod cache;
 pub mod chat;
 pub mod engine;
 pub mod error;

@@ -28,6 +28,7 @@ use crate::sampling::{Adjustment, DeviceChoice, Sampler, SamplingParams, TokenLo
 use crate::tokenizer::{Detokenizer, Tokenizer};
 use crate::{Error, Result};
 
+pub use crate::cache::{cache_dir, create_private_dir};
 pub use batch::BatchStats;
 
 /// Where the model runs.
@@ -1078,76 +1079,11 @@ pub fn default_model_path() -> PathBuf {
     cache_dir().unwrap_or_else(|| PathBuf::from(".cache").join("atlas")).join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// Atlas's cache directory (the default model, compiled GPU kernels), always absolute:
-/// `$ATLAS_CACHE` (made absolute); on Windows `%LOCALAPPDATA%\atlas`, else
-/// `%USERPROFILE%\AppData\Local\atlas`; elsewhere `$XDG_CACHE_HOME/atlas`, else `~/.cache/atlas`.
-/// None when no such variable names an absolute directory: a library loaded into a host must not
-/// write into the host's current directory.
-pub fn cache_dir() -> Option<PathBuf> {
-    cache_dir_from(|name| std::env::var_os(name), cfg!(windows))
-}
-
-fn cache_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>, windows: bool) -> Option<PathBuf> {
-    if let Some(dir) = var("ATLAS_CACHE").filter(|v| !v.is_empty()) {
-        return std::path::absolute(dir).ok();
-    }
-    let absolute = |name: &str| var(name).map(PathBuf::from).filter(|p| p.is_absolute());
-    let base = if windows {
-        absolute("LOCALAPPDATA").or_else(|| absolute("USERPROFILE").map(|home| home.join("AppData").join("Local")))
-    } else {
-        absolute("XDG_CACHE_HOME").or_else(|| absolute("HOME").map(|home| home.join(".cache")))
-    };
-    base.map(|dir| dir.join("atlas"))
-}
-
-/// Makes `dir` and any missing parents as the cache wants them: 0700 on Unix (only the user may
-/// read, write or enter them); directories that exist already are left as they are.
-pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    #[cfg(unix)]
-    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
-    builder.create(dir)
-}
-
 #[cfg(test)]
-mod cache_dir_tests {
-    use super::*;
-
-    fn cache_with(vars: &[(&str, &str)], windows: bool) -> Option<PathBuf> {
-        cache_dir_from(|name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| (*v).into()), windows)
-    }
-
-    /// %LOCALAPPDATA%\atlas on Windows, the XDG cache elsewhere; never a relative directory.
+mod default_model_tests {
     #[test]
-    fn the_cache_is_an_absolute_directory_or_none() {
-        let root = std::env::temp_dir();
-        let (local, home) = (root.join("Local AppData é"), root.join("home"));
-        let (local_s, home_s) = (local.to_str().unwrap(), home.to_str().unwrap());
-        assert_eq!(cache_with(&[("LOCALAPPDATA", local_s), ("HOME", home_s)], true), Some(local.join("atlas")));
-        assert_eq!(cache_with(&[("USERPROFILE", home_s)], true), Some(home.join("AppData").join("Local").join("atlas")));
-        assert_eq!(cache_with(&[("LOCALAPPDATA", "relative"), ("HOME", home_s)], true), None);
-        assert_eq!(cache_with(&[("HOME", home_s)], false), Some(home.join(".cache").join("atlas")));
-        assert_eq!(cache_with(&[("XDG_CACHE_HOME", "rel"), ("HOME", home_s)], false), Some(home.join(".cache").join("atlas")));
-        assert_eq!(cache_with(&[("HOME", ".")], false), None);
-        assert_eq!(cache_with(&[], false), None);
-        assert_eq!(cache_with(&[], true), None);
-        let explicit = cache_with(&[("ATLAS_CACHE", "cache dir"), ("HOME", home_s)], false).unwrap();
-        assert!(explicit.is_absolute() && explicit.ends_with("cache dir"), "{}", explicit.display());
-        assert!(default_model_path().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"));
-    }
-
-    /// Without a cache directory, compiled kernels are not cached, least of all relative to the
-    /// current directory.
-    #[test]
-    fn kernels_are_never_cached_at_a_relative_path() {
-        use crate::backend::gpu::runtime::{kernel_cache_dir, load_kernels};
-        let path = kernel_cache_dir().join("atlas-relative-cache-test.bin");
-        assert!(path.is_absolute() || path == Path::new("atlas-relative-cache-test.bin"), "{}", path.display());
-        let relative = Path::new("atlas-relative-cache-test.bin");
-        let code = b"\x7fELF and more".to_vec();
-        let (loaded, state) = load_kernels(relative, || Ok(code.clone()), |c| Ok(c.to_vec())).unwrap();
-        assert_eq!((loaded, state), (code, "compiled, not cached"));
-        assert!(!relative.exists());
+    fn the_default_model_is_the_q4_1_smollm2_file() {
+        assert!(super::default_model_path().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"));
     }
 }
+

@@ -40,7 +40,7 @@ const CACHE_TRAILER: usize = 16;
 /// cache is an optimisation: a read-only home directory just means compiling again next time.
 /// Missing directories are made 0700 (Unix); the file is written 0600.
 pub fn store_in_cache(path: &Path, code: &[u8]) {
-    if path.parent().is_some_and(|dir| crate::engine::create_private_dir(dir).is_err()) {
+    if path.parent().is_some_and(|dir| crate::cache::create_private_dir(dir).is_err()) {
         return;
     }
     let mut file = code.to_vec();
@@ -131,7 +131,7 @@ pub fn load_kernels<M>(
         return Ok((load(&compile()?)?, "compiled, not cached"));
     }
     if let Some(dir) = path.parent() {
-        let _ = crate::engine::create_private_dir(dir);
+        let _ = crate::cache::create_private_dir(dir);
         if untrusted_cache_dir(dir).is_some() {
             return Ok((load(&compile()?)?, NOT_PRIVATE));
         }
@@ -274,16 +274,29 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Where compiled kernels are kept: `kernels` in `engine::cache_dir()` (`~/.cache/atlas/kernels`,
+/// Where compiled kernels are kept: `kernels` in `cache::cache_dir()` (`~/.cache/atlas/kernels`,
 /// `%LOCALAPPDATA%\atlas\kernels`), or an empty path, which `load_kernels` never caches into,
 /// when there is no cache directory: never the host's current directory.
 pub fn kernel_cache_dir() -> PathBuf {
-    crate::engine::cache_dir().map(|dir| dir.join("kernels")).unwrap_or_default()
+    crate::cache::cache_dir().map(|dir| dir.join("kernels")).unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Without a cache directory, compiled kernels are not cached, least of all relative to the
+    /// current directory.
+    #[test]
+    fn kernels_are_never_cached_at_a_relative_path() {
+        let path = kernel_cache_dir().join("atlas-relative-cache-test.bin");
+        assert!(path.is_absolute() || path == Path::new("atlas-relative-cache-test.bin"), "{}", path.display());
+        let relative = Path::new("atlas-relative-cache-test.bin");
+        let code = b"\x7fELF and more".to_vec();
+        let (loaded, state) = load_kernels(relative, || Ok(code.clone()), |c| Ok(c.to_vec())).unwrap();
+        assert_eq!((loaded, state), (code, "compiled, not cached"));
+        assert!(!relative.exists());
+    }
 
     #[test]
     fn the_kernel_cache_hands_back_only_whole_code_objects() {
