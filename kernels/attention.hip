@@ -4,10 +4,11 @@
 // start_pos..start_pos+T. Launch: grid (ceil(kv_width/256), T), block 256. (Model layers append
 // inside qkv_rope_append, norm.hip; this is the plain form.)
 //
-// `pos_dev`, when not null, holds start_pos on the device (recorded decode steps read it there;
-// their grids cover the whole cache and splits past the visible positions contribute nothing).
+// `pos_dev`, when not null, holds the position(s) on the device (recorded decode steps read them
+// there; their grids cover the whole cache and splits past the visible positions contribute nothing).
 #include "common/portable.h"
 #include "common/mma.h"
+#include "common/kv_rows.h"
 
 ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, int start_pos, const int* pos_dev,
                             int width) {
@@ -19,26 +20,30 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
     vc[dst] = f32_to_bf16(v[(long)t * width + c]);
 }
 
-// Decode (one query row at position `pos`, over positions 0..pos), grouped-query aware and on the
-// matrix cores (common/mma.h): block (kv head, split) takes the G = heads / kv_heads query heads
-// that share the kv head as the rows of a 16-row query tile (rows past G are zero), so every key and
-// value row is read once. The visible positions are cut into at most `splits` (gridDim.y) chunks
-// of a whole number of tiles and at least `min_chunk` positions, sized from `pos` on the device, so
-// that a recorded step spreads long contexts over the GPU and keeps short ones in one split (which
-// writes its result directly). A split's positions come in tiles of DEC_TILE_ELEMS / D16
-// rows (a multiple of 16, at most DEC_MAX_TILE) through registers into shared memory, the next
-// tile's loads in flight while the current one is used. Per tile: scores S = Q·Kᵀ (warp w takes positions
-// 16w..16w+15), an online softmax per query head (running max and sum) that writes P as bf16,
-// then O += P·V (warp w takes the 16-wide column tiles w, w + warps, ...) in registers.
-// Each split writes (max, sum, acc[head_dim]) per head to `partial` [heads, splits, head_dim + 2];
-// the last split of a kv head to finish (a ticket from `counters`, reset afterwards) merges them in
-// split order into out [heads * head_dim]. Splits past the visible positions exit at once, so a
-// recorded step may cover the whole cache.
+// Decode: each query row t (blockIdx.z) over its own cache's positions 0..pos (common/kv_rows.h:
+// one row of each of several sequences, or a few rows of one), grouped-query aware and on the
+// matrix cores (common/mma.h): block (kv head, split, row) takes the G = heads / kv_heads query
+// heads that share the kv head as the rows of a 16-row query tile (rows past G are zero), so every
+// key and value row is read once. The visible positions are cut into at most `splits` (gridDim.y)
+// chunks of a whole number of tiles and at least `min_chunk` positions, sized from `pos` on the
+// device, so that a recorded step spreads long contexts over the GPU and keeps short ones in one
+// split (which writes its result directly). A split's positions come in tiles of
+// DEC_TILE_ELEMS / D16 rows (a multiple of 16, at most DEC_MAX_TILE) through registers into shared
+// memory, the next tile's loads in flight while the current one is used. Per tile: scores
+// S = Q·Kᵀ (warp w takes positions 16w..16w+15), an online softmax per query head (running max and
+// sum) that writes P as bf16, then O += P·V (warp w takes the 16-wide column tiles w, w + warps,
+// ...) in registers. Each split writes (max, sum, acc[head_dim]) per head to `partial`
+// [rows, heads, splits, head_dim + 2]; the last split of a kv head to finish (a ticket from
+// `counters` [rows, kv_heads], reset afterwards) merges them in split order into out
+// [rows, heads * head_dim]. Splits past the visible positions exit at once, so a recorded step may
+// cover the whole cache. A row's result depends on its query, cache, position and `min_chunk`
+// only (the chunk is `min_chunk` whenever the splits cover the positions in such chunks): not on
+// the other rows, so a row batched with others gets the bits it gets alone.
 // Any head_dim up to 256: the tiles take D16 = head_dim rounded up to 16 columns, those past
 // head_dim zero (loaded as zeros, never written out).
 // Dynamic shared memory: (2 * tile + 16) * (D16 + 8) + 16 * (tile + 8) bf16, and at least
 // G * splits floats (the merge's weights). Needs G <= 16.
-// Launch: grid (kv_heads, splits), block DEC_THREADS.
+// Launch: grid (kv_heads, splits, rows), block DEC_THREADS.
 #define DEC_THREADS 256
 #define DEC_MAX_TILE 64
 #define DEC_TILE_ELEMS 8192
@@ -46,17 +51,22 @@ ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, 
 // Output column tiles per warp at head_dim 256.
 #define DEC_MAX_NT (256 / 16 / (DEC_THREADS / WARP_SIZE))
 
-ATLAS_KERNEL void attention_decode(const float* q, const bf16* kc, const bf16* vc, float* partial, int* counters,
-                                   float* out, int pos, const int* pos_dev, int heads, int kv_heads, int head_dim,
-                                   float scale, int min_chunk) {
+ATLAS_KERNEL void attention_decode(const float* q, KvRows caches, const int* pos_dev, float* partial, int* counters,
+                                   float* out, int heads, int kv_heads, int head_dim, float scale, int min_chunk) {
     extern __shared__ __attribute__((aligned(16))) bf16 dec_smem[];
     __shared__ float scores[16 * DEC_MAX_TILE];
     __shared__ float run_m[16], run_l[16], corr[16];
     __shared__ int is_last;
     pdl_launch_dependents();
-    if (pos_dev) pos = *pos_dev;
-    const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y, row = blockIdx.z;
     const int D = head_dim, D16 = (D + 15) / 16 * 16, G = heads / kv_heads, width = kv_heads * D, ld = D16 + 8;
+    const int pos = kv_row_pos(caches, pos_dev, row), seq = kv_row_seq(caches, row);
+    const bf16* kc = caches.keys[seq];
+    const bf16* vc = caches.values[seq];
+    q += (long)row * heads * D;
+    out += (long)row * heads * D;
+    partial += (long)row * heads * splits * (D + 2);
+    counters += row * kv_heads;
     const int tile = min(DEC_MAX_TILE, DEC_TILE_ELEMS / D16 / 16 * 16), ldp = tile + 8;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
     const int visible = pos + 1;

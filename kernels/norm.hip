@@ -4,6 +4,7 @@
 // Launch: one block per group (grid = rows * cols / group); block: a multiple of the warp size,
 // ideally group / 4 threads (one float4 each) up to 1024.
 #include "common/portable.h"
+#include "common/kv_rows.h"
 
 // Sum of squares of one group with 16-byte loads when the group allows it. Every thread gets it.
 __device__ __forceinline__ float group_sum_squares(const float* xg, int group, float* scratch) {
@@ -107,22 +108,22 @@ ATLAS_KERNEL void norm_rope(float* x, const float* weight, float eps, const floa
 }
 
 // The start of a layer's attention in one launch: norm_rotate of every q head (in place) and k
-// head, and the KV-cache append of k and v as bf16 at rows start_pos + t. q [T, heads * head_dim],
-// k and v [T, kv_heads * head_dim] f32; caches [capacity, kv_heads * head_dim] bf16. Launch: grid
-// (heads + 2 * kv_heads, T): q heads, then k heads, then v heads; block and dynamic shared memory as
-// norm_rope.
+// head, and the KV-cache append of k and v as bf16, each row t into its sequence's cache at its
+// position (common/kv_rows.h). q [T, heads * head_dim], k and v [T, kv_heads * head_dim] f32.
+// Launch: grid (heads + 2 * kv_heads, T): q heads, then k heads, then v heads; block and dynamic
+// shared memory as norm_rope.
 ATLAS_KERNEL void qkv_rope_append(float* q, const float* k, const float* v, const float* q_norm, const float* k_norm,
-                                  float eps, const float* inv_freq, int start_pos, const int* pos_dev, bf16* kc,
-                                  bf16* vc, int heads, int kv_heads, int head_dim, int rot_half) {
+                                  float eps, const float* inv_freq, KvRows caches, const int* pos_dev, int heads,
+                                  int kv_heads, int head_dim, int rot_half) {
     __shared__ float scratch[32];
     extern __shared__ float qkv_rope_head[];
-    if (pos_dev) start_pos = *pos_dev;
     const int half = head_dim / 2, i = threadIdx.x, t = blockIdx.y, width = kv_heads * head_dim;
+    const int pos = kv_row_pos(caches, pos_dev, t), seq = kv_row_seq(caches, t);
     int h = blockIdx.x;
     if (h < heads) {
         float* x = q + ((long)t * heads + h) * head_dim;
         float a = i < half ? x[i] : 0.0f, b = i < half ? x[i + half] : 0.0f;
-        norm_rotate(a, b, q_norm, eps, inv_freq, start_pos + t, head_dim, rot_half, scratch, qkv_rope_head);
+        norm_rotate(a, b, q_norm, eps, inv_freq, pos, head_dim, rot_half, scratch, qkv_rope_head);
         if (i < half) {
             x[i] = a;
             x[i + half] = b;
@@ -133,9 +134,9 @@ ATLAS_KERNEL void qkv_rope_append(float* q, const float* k, const float* v, cons
     const bool is_key = h < kv_heads;
     if (!is_key) h -= kv_heads;
     const float* x = (is_key ? k : v) + (long)t * width + h * head_dim;
-    bf16* dst = (is_key ? kc : vc) + (long)(start_pos + t) * width + h * head_dim;
+    bf16* dst = (is_key ? caches.keys[seq] : caches.values[seq]) + (long)pos * width + h * head_dim;
     float a = i < half ? x[i] : 0.0f, b = i < half ? x[i + half] : 0.0f;
-    if (is_key) norm_rotate(a, b, k_norm, eps, inv_freq, start_pos + t, head_dim, rot_half, scratch, qkv_rope_head);
+    if (is_key) norm_rotate(a, b, k_norm, eps, inv_freq, pos, head_dim, rot_half, scratch, qkv_rope_head);
     if (i < half) {
         dst[i] = f32_to_bf16(a);
         dst[i + half] = f32_to_bf16(b);

@@ -11,7 +11,8 @@ use atlas::backend::cpu::CpuBackend;
 use atlas::backend::gpu::runtime::{Arg, Runtime};
 use atlas::backend::gpu::GpuBackend;
 use atlas::model::config::RopeScaling;
-use atlas::model::{Architecture, Bound, LanguageModel, ModelConfig, WeightSource};
+use atlas::backend::StepOutput;
+use atlas::model::{Architecture, BatchRow, Bound, LanguageModel, ModelConfig, WeightSource};
 use atlas::quant::synthetic::SyntheticMatrix;
 use atlas::quant::{DType, QuantMatrix};
 use atlas::{Error, Result};
@@ -73,35 +74,49 @@ fn int(arg: &Arg) -> i64 {
     }
 }
 
-/// The cache rows a launch writes, from the kernels' signatures (kernels/rope.hip, attention.hip).
+/// The cache rows a launch writes, from the kernels' signatures (kernels/norm.hip, attention.hip):
+/// one entry per sequence whose cache it writes.
 struct KvWrite {
     /// Used unless `position_ptr` points at the position on the device (a recorded step).
     position: i64,
     position_ptr: u64,
+    rows: i64,
     keys: u64,
     values: u64,
     width: i64,
 }
 
 impl KvWrite {
-    fn of(launch: &Launch) -> Option<KvWrite> {
+    fn of(launch: &Launch) -> Vec<KvWrite> {
         let a = &launch.args;
+        let rows = i64::from(launch.grid[1]);
         match launch.kernel.as_str() {
-            "qkv_rope_append" => Some(KvWrite {
-                position: int(&a[7]),
-                position_ptr: ptr(&a[8]),
-                keys: ptr(&a[9]),
-                values: ptr(&a[10]),
-                width: int(&a[12]) * int(&a[13]),
-            }),
-            "kv_append" => Some(KvWrite {
+            "qkv_rope_append" => {
+                let Arg::KvRows(caches) = a[7] else { panic!("qkv_rope_append without its KvRows, got {:?}", a[7]) };
+                let (position_ptr, width) = (ptr(&a[8]), int(&a[10]) * int(&a[11]));
+                let count = i64::from(caches.count);
+                assert!((1..=caches.keys.len() as i64).contains(&count) && count <= rows, "KvRows of {count} sequences for {rows} rows");
+                (0..count as usize)
+                    .map(|s| KvWrite {
+                        position: i64::from(caches.pos[s]),
+                        position_ptr: if position_ptr == 0 { 0 } else { position_ptr + 4 * s as u64 },
+                        // The last sequence takes the rows left.
+                        rows: if s as i64 == count - 1 { rows - s as i64 } else { 1 },
+                        keys: caches.keys[s],
+                        values: caches.values[s],
+                        width,
+                    })
+                    .collect()
+            }
+            "kv_append" => vec![KvWrite {
                 position: int(&a[4]),
                 position_ptr: ptr(&a[5]),
+                rows,
                 keys: ptr(&a[2]),
                 values: ptr(&a[3]),
                 width: int(&a[6]),
-            }),
-            _ => None,
+            }],
+            _ => Vec::new(),
         }
     }
 }
@@ -121,9 +136,9 @@ impl State {
     }
 
     fn run(&mut self, launch: Launch) {
-        if let Some(w) = KvWrite::of(&launch) {
+        for w in KvWrite::of(&launch) {
             let position = if w.position_ptr != 0 { self.read_i32(w.position_ptr) } else { w.position };
-            let rows = i64::from(launch.grid[1]);
+            let rows = w.rows;
             let (start, end) = (i128::from(position * w.width * 2), i128::from((position + rows) * w.width * 2));
             for buffer in [w.keys, w.values] {
                 let size = self.allocations.get(&buffer).filter(|a| a.live).map_or(0, |a| a.bytes as i128);
@@ -305,6 +320,40 @@ fn decode_stays_inside_the_kv_cache_and_refuses_steps_past_it() {
         }
     }
     assert_eq!(mock.state().violations, Vec::<String>::new());
+}
+
+#[test]
+fn batched_steps_write_each_sequence_into_its_own_cache() {
+    let mock = Arc::new(MockRuntime::default());
+    let ctx = 32;
+    let mut model = load(&mock, ctx).unwrap();
+    model.set_slots(3).unwrap();
+    // Prompts of different lengths, so that the sequences decode at different positions.
+    let lengths = [3usize, 7, 12];
+    for (slot, &len) in lengths.iter().enumerate() {
+        model.select(slot).unwrap();
+        model.forward_greedy(&vec![1; len], 0, usize::MAX).unwrap();
+    }
+    let before = mock.state().ran.len();
+    for step in 0..ctx - 12 {
+        let rows: Vec<BatchRow> = lengths
+            .iter()
+            .enumerate()
+            .map(|(slot, &len)| BatchRow { slot, token: 1, pos: len + step, want: StepOutput::Argmax { limit: usize::MAX } })
+            .collect();
+        assert_eq!(model.step_batch(&rows).unwrap().len(), 3);
+    }
+    let s = mock.state();
+    // One append per layer a batched step, for the three sequences, each inside its own cache
+    // (steps the model chose to run one by one, as it may when they measure cheaper, append one).
+    let appends: Vec<&Launch> = s.ran[before..].iter().filter(|l| l.kernel == "qkv_rope_append" && l.grid[1] > 1).collect();
+    assert!(!appends.is_empty(), "no batched step ran");
+    for launch in &appends {
+        let Arg::KvRows(caches) = launch.args[7] else { panic!("no KvRows") };
+        assert_eq!((caches.count, launch.grid[1]), (3, 3), "a batched step split its sequences");
+        assert!(caches.keys[..3].iter().all(|&k| k != 0) && caches.keys[0] != caches.keys[1] && caches.keys[1] != caches.keys[2]);
+    }
+    assert_eq!(s.violations, Vec::<String>::new());
 }
 
 #[test]

@@ -326,6 +326,68 @@ fn attention_prefill_then_decode() {
     }
 }
 
+#[test]
+fn attention_of_several_sequences_in_one_pass_gives_each_its_own_bits() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(17);
+    // Contexts from one position to several decode splits (256 positions each), every group
+    // size the decode kernel takes, heads it pads (144).
+    let contexts = [1usize, 40, 300, 777, 1100];
+    for (heads, kv_heads, d) in [(32, 8, 128), (8, 2, 64), (16, 1, 256), (4, 1, 144), (40, 8, 128)] {
+        let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
+        let rope = Rope { head_dim: d, inv_freq: (0..d / 2).map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / d as f32)).collect() };
+        let (qn, kn) = (pair(&g, 1, d, random(&mut rng, d, 1.5)), pair(&g, 1, d, random(&mut rng, d, 1.5)));
+        let gn = QkNorms { q: Some(&qn.gpu), k: Some(&kn.gpu), eps: 1e-6 };
+        let cn = QkNorms { q: Some(&qn.cpu), k: Some(&kn.cpu), eps: 1e-6 };
+        // Each sequence's prompt into three caches: batched, alone (GPU) and the CPU's.
+        let mut batched = Vec::new();
+        let mut alone = Vec::new();
+        let mut host = Vec::new();
+        for &len in &contexts {
+            let q = random(&mut rng, len * heads * d, 1.0);
+            let k = random(&mut rng, len * kv_heads * d, 1.0);
+            let v = random(&mut rng, len * kv_heads * d, 1.0);
+            let mut caches = [g.new_kv_cache(kv_heads * d, 0).unwrap(), g.new_kv_cache(kv_heads * d, 0).unwrap()];
+            for cache in &mut caches {
+                let (qg, kg, vg) = (g.upload_f32(len, heads * d, &q).unwrap(), g.upload_f32(len, kv_heads * d, &k).unwrap(), g.upload_f32(len, kv_heads * d, &v).unwrap());
+                g.rotary_attention(qg, kg, &vg, gn, &rope, cache, 0, shape).unwrap();
+            }
+            let [b, a] = caches;
+            batched.push(b);
+            alone.push(a);
+            let mut cc = c.new_kv_cache(kv_heads * d, 0).unwrap();
+            c.rotary_attention(CpuTensor::new(len, heads * d, q), CpuTensor::new(len, kv_heads * d, k), &CpuTensor::new(len, kv_heads * d, v), cn, &rope, &mut cc, 0, shape).unwrap();
+            host.push(cc);
+        }
+        // Two steps, so that the second reads what the first appended to each cache.
+        let n = contexts.len();
+        for step in 0..2 {
+            let positions: Vec<usize> = contexts.iter().map(|&len| len + step).collect();
+            let q = pair(&g, n, heads * d, random(&mut rng, n * heads * d, 1.0));
+            let k = pair(&g, n, kv_heads * d, random(&mut rng, n * kv_heads * d, 1.0));
+            let v = pair(&g, n, kv_heads * d, random(&mut rng, n * kv_heads * d, 1.0));
+            let what = format!("{n} sequences, heads {heads}/{kv_heads} d {d}, step {step}");
+            poison(&g, n, heads * d);
+            let mut refs: Vec<&mut _> = batched.iter_mut().collect();
+            let q_copy = g.upload_f32(n, heads * d, &g.to_host(&q.gpu).unwrap()).unwrap();
+            let k_copy = g.upload_f32(n, kv_heads * d, &g.to_host(&k.gpu).unwrap()).unwrap();
+            let got = g.rotary_attention_rows(q_copy, k_copy, &v.gpu, gn, &rope, &mut refs, &positions, shape).unwrap();
+            let got = g.to_host(&got).unwrap();
+            for (i, ((cache, host_cache), &pos)) in alone.iter_mut().zip(host.iter_mut()).zip(&positions).enumerate() {
+                let row = |t: &GpuTensor, cols| g.upload_f32(1, cols, &g.to_host(t).unwrap()[i * cols..(i + 1) * cols]).unwrap();
+                let one = g.rotary_attention(row(&q.gpu, heads * d), row(&k.gpu, kv_heads * d), &row(&v.gpu, kv_heads * d), gn, &rope, cache, pos, shape).unwrap();
+                let one = g.to_host(&one).unwrap();
+                let mine = &got[i * heads * d..(i + 1) * heads * d];
+                assert!(one.iter().zip(mine).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: sequence {i} (at {pos}) differs from its step alone");
+                let want = c.rotary_attention(rows(&q.cpu, i, i + 1), rows(&k.cpu, i, i + 1), &rows(&v.cpu, i, i + 1), cn, &rope, host_cache, pos, shape).unwrap();
+                let gpu_row = g.upload_f32(1, heads * d, mine).unwrap();
+                check(&g, &gpu_row, &want, 2e-2, &format!("{what}: sequence {i} against the CPU"));
+            }
+        }
+    }
+}
+
 /// Greedy generation of `max_tokens` tokens, end-of-sequence ignored.
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest { prompt, max_tokens: Some(max_tokens), sampling: Default::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None }

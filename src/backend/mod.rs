@@ -39,6 +39,14 @@ pub struct QkNorms<'a, B: Backend + ?Sized> {
     pub eps: f32,
 }
 
+impl<B: Backend + ?Sized> Clone for QkNorms<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend + ?Sized> Copy for QkNorms<'_, B> {}
+
 /// A gated MLP `down(silu(gate(x)) * up(x))`: one expert of a mixture of experts.
 pub struct GatedMlp<B: Backend + ?Sized> {
     pub gate: B::Weight,
@@ -311,6 +319,24 @@ pub trait Backend: Send + Sync {
         self.attention(&q, &k, v, cache, start_pos, shape)
     }
 
+    /// [`Backend::rotary_attention`] of one token of each of several sequences: row i of q, k and
+    /// v is the token of the sequence whose cache is `caches[i]`, at `positions[i]`. Each row gets
+    /// the bits it gets alone. Backends run the rows in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn rotary_attention_rows(
+        &self,
+        q: Self::Tensor,
+        k: Self::Tensor,
+        v: &Self::Tensor,
+        norms: QkNorms<'_, Self>,
+        rope: &Rope,
+        caches: &mut [&mut Self::KvCache],
+        positions: &[usize],
+        shape: AttentionShape,
+    ) -> Result<Self::Tensor> {
+        rotary_attention_one_by_one(self, q, k, v, norms, rope, caches, positions, shape)
+    }
+
     /// Causal depthwise convolution over time, then SiLU: `out[t, c] = silu(Σ_j w[c, j] · x[t−K+1+j, c])`
     /// for `x [T, C]` and `weight [1, C·K]` (channel-major, oldest tap first), where positions
     /// before `t = 0` come from `state [1, (K−1)·C]` (the previous K−1 inputs, oldest first),
@@ -520,6 +546,34 @@ pub fn compose_moe_block<B: Backend + ?Sized>(
         (Some(h), Some(s)) => b.linear_add(&h, &s.mlp.down, None, x), // x += down(h)
         _ => Ok(()),
     }
+}
+
+/// [`Backend::rotary_attention_rows`] as one `rotary_attention` per row, each told its row of a
+/// recorded step (`sequence_row`), then stacked.
+#[allow(clippy::too_many_arguments)]
+pub fn rotary_attention_one_by_one<B: Backend + ?Sized>(
+    b: &B,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: &B::Tensor,
+    norms: QkNorms<'_, B>,
+    rope: &Rope,
+    caches: &mut [&mut B::KvCache],
+    positions: &[usize],
+    shape: AttentionShape,
+) -> Result<B::Tensor> {
+    if caches.len() != positions.len() {
+        return Err(crate::Error::InvalidArgument(format!("{} caches for {} positions", caches.len(), positions.len())));
+    }
+    let mut outs = Vec::with_capacity(caches.len());
+    for (i, (cache, &pos)) in caches.iter_mut().zip(positions).enumerate() {
+        let (qi, ki, vi) = (b.rows(&q, i, 1)?, b.rows(&k, i, 1)?, b.rows(v, i, 1)?);
+        b.sequence_row(i);
+        let out = b.rotary_attention(qi, ki, &vi, norms, rope, cache, pos, shape);
+        b.sequence_row(0);
+        outs.push(out?);
+    }
+    b.stack_rows(&outs)
 }
 
 /// Sets to -inf every value whose bit is clear in `mask` (bit i of word i / 32; ids past the mask

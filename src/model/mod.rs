@@ -17,7 +17,7 @@ use serde_json::Value;
 pub use config::{Architecture, ModelConfig};
 pub use weights::{LoadProgress, WeightSource};
 
-use crate::backend::{Backend, Capability, StepOutput, StepResult};
+use crate::backend::{AttentionShape, Backend, Capability, QkNorms, Rope, StepOutput, StepResult};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
@@ -254,6 +254,26 @@ fn per_seq<B: Backend, const N: usize>(
         row += seq.len;
     }
     b.stack_rows(&outs)
+}
+
+/// A layer's rotary attention (`Backend::rotary_attention`) for each sequence of a step, over its
+/// own cache `layer`: a batch of one token each in one pass of the backend.
+#[allow(clippy::too_many_arguments)]
+fn rotary_attention<B: Backend>(
+    b: &B,
+    [q, k, v]: [B::Tensor; 3],
+    norms: QkNorms<'_, B>,
+    rope: &Rope,
+    seqs: &mut [Seq<'_, B>],
+    layer: usize,
+    shape: AttentionShape,
+) -> Result<B::Tensor> {
+    if seqs.len() > 1 && seqs.iter().all(|s| s.len == 1) {
+        let positions: Vec<usize> = seqs.iter().map(|s| s.start_pos).collect();
+        let mut caches = seqs.iter_mut().map(|s| s.cache[layer].kv()).collect::<Result<Vec<_>>>()?;
+        return b.rotary_attention_rows(q, k, &v, norms, rope, &mut caches, &positions, shape);
+    }
+    per_seq(b, [q, k, v], seqs, |[q, k, v], seq| b.rotary_attention(q, k, &v, norms, rope, seq.cache[layer].kv()?, seq.start_pos, shape))
 }
 
 /// Whose logits a forward pass computes: each sequence's last position's (generation), or every
@@ -653,8 +673,16 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             None => forward()?,
         };
         let mut out = Vec::with_capacity(rows.len());
-        for (i, row) in rows.iter().enumerate() {
-            out.push(choose(b, &b.rows(&logits, i, 1)?, row.want)?);
+        match rows[0].want {
+            // Greedy rows alike (the common case): one download for all their choices.
+            StepOutput::Argmax { limit } if rows.iter().all(|r| r.want == rows[0].want) => {
+                out.extend(b.argmax_rows(&logits, limit)?.into_iter().map(StepResult::Token));
+            }
+            _ => {
+                for (i, row) in rows.iter().enumerate() {
+                    out.push(choose(b, &b.rows(&logits, i, 1)?, row.want)?);
+                }
+            }
         }
         for row in rows {
             let slot = &mut self.slots[row.slot];

@@ -11,7 +11,7 @@
 use super::config::{ModelConfig, RopeScaling};
 use super::loader::{Linear, Loader};
 use super::mlp::FeedForward;
-use super::{per_seq, LayerCache, LogitRows, Network, Seq};
+use super::{rotary_attention, LayerCache, LogitRows, Network, Seq};
 use super::weights::{LoadProgress, WeightSource};
 use crate::backend::{AttentionShape, Backend, QkNorms, Rope};
 use crate::Result;
@@ -108,10 +108,8 @@ impl<B: Backend> Network<B> for Qwen3<B> {
             let [q, k, v] =
                 b.norm_linears(&x, &layer.input_layernorm, eps, [attn.q_proj.proj(), attn.k_proj.proj(), attn.v_proj.proj()])?;
             // [T, heads * head_dim], each sequence over its own cache
-            let o = per_seq(b, [q, k, v], seqs, |[q, k, v], seq| {
-                let norms = QkNorms { q: attn.q_norm.as_ref(), k: attn.k_norm.as_ref(), eps };
-                b.rotary_attention(q, k, &v, norms, &self.rope, seq.cache[l].kv()?, seq.start_pos, shape)
-            })?;
+            let norms = QkNorms { q: attn.q_norm.as_ref(), k: attn.k_norm.as_ref(), eps };
+            let o = rotary_attention(b, [q, k, v], norms, &self.rope, seqs, l, shape)?;
             b.linear_add(&o, &attn.o_proj.weight, attn.o_proj.bias.as_ref(), &mut x)?; // x += o_proj(o)
 
             layer.mlp.forward_add(b, &mut x, &layer.post_attention_layernorm, eps)?; // x += mlp(norm(x))

@@ -20,7 +20,7 @@ use super::mlp::FeedForward;
 use super::qwen3::inv_freq;
 use super::weights::{LoadProgress, WeightSource};
 use super::qwen3_5_mtp::Mtp;
-use super::{per_seq, DraftHead, LayerCache, LogitRows, Network, Seq};
+use super::{per_seq, rotary_attention, DraftHead, LayerCache, LogitRows, Network, Seq};
 use crate::backend::{AttentionShape, Backend, DeltaShape, QkNorms, Rope};
 use crate::{Error, Result};
 
@@ -265,10 +265,8 @@ impl<B: Backend> DecoderLayer<B> {
                 let shape = AttentionShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
                 let projs = [&attn.q_proj, &attn.q_gate, &attn.k_proj, &attn.v_proj].map(|w| crate::backend::Proj { weight: w, bias: None });
                 let [q, gate, k, v] = b.norm_linears(x, norm, eps, projs)?; // [T, heads·d] twice, [T, kv_heads·d] twice
-                let mut o = per_seq(b, [q, k, v], seqs, |[q, k, v], seq| {
-                    let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
-                    b.rotary_attention(q, k, &v, norms, &model.rope, seq.cache[l].kv()?, seq.start_pos, shape)
-                })?;
+                let norms = QkNorms { q: Some(&attn.q_norm), k: Some(&attn.k_norm), eps };
+                let mut o = rotary_attention(b, [q, k, v], norms, &model.rope, seqs, l, shape)?;
                 b.sigmoid_gate(&mut o, &gate)?; // o *= σ(gate)
                 b.linear_add(&o, &attn.o_proj, None, x)?; // x += o_proj(o)
             }

@@ -11,14 +11,14 @@
 //! makes Atlas's context current only for its duration and puts the caller's back.
 
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
+use std::ffi::CString;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_kernels, Arg, Runtime};
+use super::runtime::{fnv1a, kernel_cache_dir, kernel_source, load_kernels, Arg, ArgWords, Runtime};
 use crate::{Error, Result};
 
 pub struct CudaRuntime {
@@ -339,8 +339,8 @@ impl Runtime for CudaRuntime {
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
         let _bound = self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
-        let mut slots = arg_slots(args);
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        let mut words = ArgWords::new(args);
+        let mut params = words.pointers();
         // SAFETY: the argument list matches the kernel's signature (checked by the GPU op tests).
         unsafe {
             cu::launch_kernel(f, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared_bytes, self.stream, &mut params)
@@ -354,8 +354,8 @@ impl Runtime for CudaRuntime {
         }
         let _bound = self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
-        let mut slots = arg_slots(args);
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        let mut words = ArgWords::new(args);
+        let mut params = words.pointers();
         // SAFETY: a zeroed attribute is a valid plain-data value; the id and value are then set.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;

@@ -51,7 +51,7 @@ use std::sync::{Mutex, OnceLock};
 use libloading::Library;
 
 use super::cuda::KERNELS;
-use super::runtime::{arg_slots, fnv1a, kernel_cache_dir, kernel_source, load_kernels, Arg, Runtime};
+use super::runtime::{fnv1a, kernel_cache_dir, kernel_source, load_kernels, Arg, ArgWords, Runtime};
 use crate::{Error, Result};
 
 type Status = c_int; // hipError_t
@@ -932,8 +932,8 @@ impl Runtime for HipRuntime {
     fn launch(&self, kernel: &str, grid: [u32; 3], block: [u32; 3], shared_bytes: u32, args: &[Arg]) -> Result<()> {
         let _bound = self.bind()?;
         let f = *self.functions.get(kernel).ok_or_else(|| Error::Device(format!("no kernel {kernel}")))?;
-        let mut slots = arg_slots(args);
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        let mut words = ArgWords::new(args);
+        let mut params = words.pointers();
         let params_ptr = if params.is_empty() { std::ptr::null_mut() } else { params.as_mut_ptr() };
         // SAFETY: the argument list matches the kernel's signature (checked by the GPU op tests).
         let status = unsafe {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use rayon::prelude::*;
 
-use self::runtime::{Arg, Runtime};
+use self::runtime::{Arg, KvRows, Runtime, KV_ROWS};
 use super::{AttentionShape, Backend, Capability, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
 use crate::sampling::{Adjustment, LogPartition, MAX_DEVICE_TOP_K};
@@ -726,70 +726,65 @@ impl GpuBackend {
         let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
         let t = q.rows;
         let pos_dev = self.recorded_pos();
-        let out = self.tensor(t, num_heads * d)?;
-        let scale = 1.0 / (d as f32).sqrt();
-        let group = num_heads / num_kv_heads;
-        // A few queries (checking drafts) take the decode kernel one by one, each as a decode
-        // step would: the same bits.
-        if (2..=GEMV1_TOKENS).contains(&t) && pos_dev.is_none() && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
-            for r in 0..t {
-                let row = self.attend(&Self::row_view(q, r), cache, start_pos + r, shape)?;
-                self.rt.copy(out.buf.ptr + (r * num_heads * d * 4) as u64, row.buf.ptr, num_heads * d * 4)?;
-            }
-            return Ok(out);
-        }
-        if t == 1 && group <= 16 && num_kv_heads <= MAX_KV_HEADS {
+        if decode_attention_fits(t, shape) {
             // A recording must fit every later position: it covers the whole cache (the kernel
             // sizes the splits from the position).
-            let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + 1 };
-            let splits = longest.div_ceil(ATTENTION_CHUNK).min(ATTENTION_MAX_SPLITS);
-            let partial = self.scratch(byte_size("attention partial results", &[num_heads, splits, d + 2, 4])?)?;
-            // The kernel's tiles, query and probabilities (bf16, the head padded to 16 columns),
-            // or the merge's weights.
-            let d16 = d.next_multiple_of(16);
-            let tile = DEC_MAX_TILE.min(DEC_TILE_ELEMS / d16 / 16 * 16);
-            let shared = (((2 * tile + 16) * (d16 + 8) + 16 * (tile + 8)) * 2).max(group * splits * 4);
-            let args = [
-                Arg::Ptr(q.buf.ptr),
-                Arg::Ptr(cache.keys.ptr),
-                Arg::Ptr(cache.values.ptr),
-                Arg::Ptr(partial.ptr),
-                Arg::Ptr(self.tickets()?),
-                Arg::Ptr(out.buf.ptr),
-                Arg::I32(start_pos as i32),
-                Arg::Ptr(pos_dev.unwrap_or(0)),
-                Arg::I32(num_heads as i32),
-                Arg::I32(num_kv_heads as i32),
-                Arg::I32(d as i32),
-                Arg::F32(scale),
-                Arg::I32(ATTENTION_CHUNK as i32),
-            ];
-            let grid = [num_kv_heads as u32, splits as u32, 1];
-            self.rt.launch("attention_decode", grid, [DEC_THREADS, 1, 1], shared as u32, &args)?;
-        } else {
-            let args = [
-                Arg::Ptr(q.buf.ptr),
-                Arg::Ptr(cache.keys.ptr),
-                Arg::Ptr(cache.values.ptr),
-                Arg::Ptr(out.buf.ptr),
-                Arg::I32(start_pos as i32),
-                Arg::Ptr(pos_dev.unwrap_or(0)),
-                Arg::I32(t as i32),
-                Arg::I32(num_heads as i32),
-                Arg::I32(num_kv_heads as i32),
-                Arg::I32(d as i32),
-                Arg::F32(scale),
-            ];
-            self.rt.launch("flash_attention", [blocks(t, FA_BQ as u32), num_heads as u32, 1], [FA_THREADS, 1, 1], 0, &args)?;
+            let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + t };
+            return self.attend_rows(q, KvRows::one(cache, start_pos), pos_dev, longest, shape);
         }
+        let out = self.tensor(t, num_heads * d)?;
+        let args = [
+            Arg::Ptr(q.buf.ptr),
+            Arg::Ptr(cache.keys.ptr),
+            Arg::Ptr(cache.values.ptr),
+            Arg::Ptr(out.buf.ptr),
+            Arg::I32(start_pos as i32),
+            Arg::Ptr(pos_dev.unwrap_or(0)),
+            Arg::I32(t as i32),
+            Arg::I32(num_heads as i32),
+            Arg::I32(num_kv_heads as i32),
+            Arg::I32(d as i32),
+            Arg::F32(1.0 / (d as f32).sqrt()),
+        ];
+        self.rt.launch("flash_attention", [blocks(t, FA_BQ as u32), num_heads as u32, 1], [FA_THREADS, 1, 1], 0, &args)?;
         Ok(out)
     }
 
-    /// Checks an attention call's widths and makes room in the cache; returns the device position
-    /// pointer of a recorded step (0 otherwise).
-    fn prepare_attention(&self, q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, cache: &mut GpuKvCache, start_pos: usize, shape: AttentionShape) -> Result<u64> {
+    /// The decode attention kernel over the rows of `q`, each in the cache and at the position
+    /// `rows` gives it (read from `pos_dev` in a recorded step); `longest`: the most positions a
+    /// row may see. A row gets the same bits whatever rows come with it (kernels/attention.hip).
+    fn attend_rows(&self, q: &GpuTensor, rows: KvRows, pos_dev: Option<u64>, longest: usize, shape: AttentionShape) -> Result<GpuTensor> {
         let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
-        let width = cache.width;
+        let t = q.rows;
+        let out = self.tensor(t, num_heads * d)?;
+        let splits = longest.div_ceil(ATTENTION_CHUNK).clamp(1, ATTENTION_MAX_SPLITS);
+        let partial = self.scratch(byte_size("attention partial results", &[t, num_heads, splits, d + 2, 4])?)?;
+        // The kernel's tiles, query and probabilities (bf16, the head padded to 16 columns), or
+        // the merge's weights.
+        let d16 = d.next_multiple_of(16);
+        let tile = DEC_MAX_TILE.min(DEC_TILE_ELEMS / d16 / 16 * 16);
+        let shared = (((2 * tile + 16) * (d16 + 8) + 16 * (tile + 8)) * 2).max(num_heads / num_kv_heads * splits * 4);
+        let args = [
+            Arg::Ptr(q.buf.ptr),
+            Arg::KvRows(rows),
+            Arg::Ptr(pos_dev.unwrap_or(0)),
+            Arg::Ptr(partial.ptr),
+            Arg::Ptr(self.tickets()?),
+            Arg::Ptr(out.buf.ptr),
+            Arg::I32(num_heads as i32),
+            Arg::I32(num_kv_heads as i32),
+            Arg::I32(d as i32),
+            Arg::F32(1.0 / (d as f32).sqrt()),
+            Arg::I32(ATTENTION_CHUNK as i32),
+        ];
+        let grid = [num_kv_heads as u32, splits as u32, t as u32];
+        self.rt.launch("attention_decode", grid, [DEC_THREADS, 1, 1], shared as u32, &args)?;
+        Ok(out)
+    }
+
+    /// Checks an attention call's widths against the shape and the cache.
+    fn check_attention(q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, width: usize, shape: AttentionShape) -> Result<()> {
+        let AttentionShape { num_heads, num_kv_heads, head_dim: d } = shape;
         if k.cols != width || v.cols != width || q.cols != num_heads * d || num_kv_heads * d != width
             || num_kv_heads == 0 || num_heads % num_kv_heads != 0 || k.rows != q.rows || v.rows != q.rows
         {
@@ -798,15 +793,57 @@ impl GpuBackend {
         if d > MAX_HEAD_DIM || d % 2 != 0 {
             return Err(Error::Unsupported(format!("head_dim {d} on the GPU (even, at most {MAX_HEAD_DIM})")));
         }
+        Ok(())
+    }
+
+    /// Makes room in the cache for `rows` positions from `start_pos` (a recorded step cannot grow
+    /// it: its recording points at the buffers).
+    fn make_room(&self, cache: &mut GpuKvCache, start_pos: usize, rows: usize) -> Result<()> {
         let end = start_pos
-            .checked_add(q.rows)
-            .ok_or_else(|| Error::ContextOverflow(format!("{} positions from {start_pos}", q.rows)))?;
-        let recorded = self.recorded_pos();
-        if recorded.is_some() && end > cache.capacity {
+            .checked_add(rows)
+            .ok_or_else(|| Error::ContextOverflow(format!("{rows} positions from {start_pos}")))?;
+        if self.recorded_pos().is_some() && end > cache.capacity {
             return Err(Error::ContextOverflow(format!("position {end} is past the KV cache of {}", cache.capacity)));
         }
-        self.grow_cache(cache, end)?;
-        Ok(recorded.unwrap_or(0))
+        self.grow_cache(cache, end)
+    }
+
+    /// The q/k norms, rotary embedding and cache append of a layer's attention
+    /// (`qkv_rope_append`), row t into the cache and at the position `rows` gives it.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_append(
+        &self,
+        q: &GpuTensor,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        norms: QkNorms<'_, Self>,
+        rope: &Rope,
+        rows: KvRows,
+        pos_dev: Option<u64>,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let d = shape.head_dim;
+        if rope.head_dim != d || 2 * rope.inv_freq.len() > d || [norms.q, norms.k].iter().flatten().any(|w| w.cols != d) {
+            return Err(Error::InvalidArgument(format!("rotary_attention: rope or norms disagree with head_dim {d}")));
+        }
+        let args = [
+            Arg::Ptr(q.buf.ptr),
+            Arg::Ptr(k.buf.ptr),
+            Arg::Ptr(v.buf.ptr),
+            Arg::Ptr(norms.q.map_or(0, |w| w.buf.ptr)),
+            Arg::Ptr(norms.k.map_or(0, |w| w.buf.ptr)),
+            Arg::F32(norms.eps),
+            Arg::Ptr(self.rope_freqs(rope)?),
+            Arg::KvRows(rows),
+            Arg::Ptr(pos_dev.unwrap_or(0)),
+            Arg::I32(shape.num_heads as i32),
+            Arg::I32(shape.num_kv_heads as i32),
+            Arg::I32(d as i32),
+            Arg::I32(rope.inv_freq.len() as i32),
+        ];
+        let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
+        let grid = [(shape.num_heads + 2 * shape.num_kv_heads) as u32, q.rows as u32, 1];
+        self.rt.launch("qkv_rope_append", grid, [threads, 1, 1], partial_rotary_shared(rope), &args)
     }
 
     /// The arena, emptied for a recording of `rows` rows.
@@ -1056,6 +1093,22 @@ impl GpuBackend {
         }
         *cache = GpuKvCache { keys, values, capacity, width: cache.width };
         Ok(())
+    }
+}
+
+/// Whether the decode attention kernel takes `rows` query rows of this shape (a few: longer runs
+/// take the prefill kernel).
+fn decode_attention_fits(rows: usize, shape: AttentionShape) -> bool {
+    let AttentionShape { num_heads, num_kv_heads, .. } = shape;
+    (1..=KV_ROWS).contains(&rows) && num_kv_heads > 0 && num_heads / num_kv_heads <= 16 && rows * num_kv_heads <= MAX_KV_HEADS
+}
+
+impl KvRows {
+    /// Rows of one sequence, the first at `start_pos` of `cache`.
+    fn one(cache: &GpuKvCache, start_pos: usize) -> Self {
+        let mut rows = KvRows { count: 1, ..KvRows::default() };
+        (rows.keys[0], rows.values[0], rows.pos[0]) = (cache.keys.ptr, cache.values.ptr, start_pos as i32);
+        rows
     }
 }
 
@@ -1407,33 +1460,39 @@ impl Backend for GpuBackend {
         start_pos: usize,
         shape: AttentionShape,
     ) -> Result<GpuTensor> {
-        let d = shape.head_dim;
-        if rope.head_dim != d || 2 * rope.inv_freq.len() > d || [norms.q, norms.k].iter().flatten().any(|w| w.cols != d) {
-            return Err(Error::InvalidArgument(format!("rotary_attention: rope or norms disagree with head_dim {d}")));
-        }
-        let pos_dev = self.prepare_attention(&q, &k, v, cache, start_pos, shape)?;
-        let freqs = self.rope_freqs(rope)?;
-        let args = [
-            Arg::Ptr(q.buf.ptr),
-            Arg::Ptr(k.buf.ptr),
-            Arg::Ptr(v.buf.ptr),
-            Arg::Ptr(norms.q.map_or(0, |w| w.buf.ptr)),
-            Arg::Ptr(norms.k.map_or(0, |w| w.buf.ptr)),
-            Arg::F32(norms.eps),
-            Arg::Ptr(freqs),
-            Arg::I32(start_pos as i32),
-            Arg::Ptr(pos_dev),
-            Arg::Ptr(cache.keys.ptr),
-            Arg::Ptr(cache.values.ptr),
-            Arg::I32(shape.num_heads as i32),
-            Arg::I32(shape.num_kv_heads as i32),
-            Arg::I32(d as i32),
-            Arg::I32(rope.inv_freq.len() as i32),
-        ];
-        let threads = (d / 2).next_multiple_of(self.rt.warp_size() as usize) as u32;
-        let grid = [(shape.num_heads + 2 * shape.num_kv_heads) as u32, q.rows as u32, 1];
-        self.rt.launch("qkv_rope_append", grid, [threads, 1, 1], partial_rotary_shared(rope), &args)?;
+        Self::check_attention(&q, &k, v, cache.width, shape)?;
+        self.make_room(cache, start_pos, q.rows)?;
+        self.rope_append(&q, &k, v, norms, rope, KvRows::one(cache, start_pos), self.recorded_pos(), shape)?;
         self.attend(&q, cache, start_pos, shape)
+    }
+
+    fn rotary_attention_rows(
+        &self,
+        q: GpuTensor,
+        k: GpuTensor,
+        v: &GpuTensor,
+        norms: QkNorms<'_, Self>,
+        rope: &Rope,
+        caches: &mut [&mut GpuKvCache],
+        positions: &[usize],
+        shape: AttentionShape,
+    ) -> Result<GpuTensor> {
+        let n = caches.len();
+        if n != positions.len() || n != q.rows || !decode_attention_fits(n, shape) {
+            return super::rotary_attention_one_by_one(self, q, k, v, norms, rope, caches, positions, shape);
+        }
+        // A recorded step reads each sequence's position from its row of the step's inputs.
+        let pos_dev = self.recorded_pos();
+        let mut rows = KvRows { count: n as i32, ..KvRows::default() };
+        let mut longest = 0;
+        for (i, (cache, &pos)) in caches.iter_mut().zip(positions).enumerate() {
+            Self::check_attention(&q, &k, v, cache.width, shape)?;
+            self.make_room(cache, pos, 1)?;
+            (rows.keys[i], rows.values[i], rows.pos[i]) = (cache.keys.ptr, cache.values.ptr, pos as i32);
+            longest = longest.max(if pos_dev.is_some() { cache.capacity } else { pos + 1 });
+        }
+        self.rope_append(&q, &k, v, norms, rope, rows, pos_dev, shape)?;
+        self.attend_rows(&q, rows, pos_dev, longest, shape)
     }
 
     fn rope(&self, x: &mut GpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
@@ -1461,8 +1520,10 @@ impl Backend for GpuBackend {
         start_pos: usize,
         shape: AttentionShape,
     ) -> Result<GpuTensor> {
-        let pos_dev = self.prepare_attention(q, k, v, cache, start_pos, shape)?;
+        Self::check_attention(q, k, v, cache.width, shape)?;
+        self.make_room(cache, start_pos, q.rows)?;
         let width = cache.width;
+        let pos_dev = self.recorded_pos().unwrap_or(0);
         let args = [Arg::Ptr(k.buf.ptr), Arg::Ptr(v.buf.ptr), Arg::Ptr(cache.keys.ptr), Arg::Ptr(cache.values.ptr), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(width as i32)];
         self.rt.launch("kv_append", [blocks(width, BLOCK), q.rows as u32, 1], [BLOCK, 1, 1], 0, &args)?;
         self.attend(q, cache, start_pos, shape)

@@ -14,20 +14,63 @@ pub enum Arg {
     I64(i64),
     U64(u64),
     F32(f32),
+    KvRows(KvRows),
 }
 
-/// Each argument in an 8-byte slot, as the launch APIs want a pointer per parameter: the runtime
-/// copies as many bytes as the kernel's parameter has, so 4-byte ones read the low half
-/// (little-endian).
-pub fn arg_slots(args: &[Arg]) -> Vec<u64> {
-    args.iter()
-        .map(|a| match *a {
-            Arg::Ptr(p) | Arg::U64(p) => p,
-            Arg::I64(v) => v as u64,
-            Arg::I32(v) => u64::from(v as u32),
-            Arg::F32(v) => u64::from(v.to_bits()),
-        })
-        .collect()
+/// Sequences a decode-shaped step's rows belong to, as kernels/common/kv_rows.h's struct of the
+/// same name (which the kernels take by value): each sequence's key and value caches and first
+/// row's position; row t belongs to sequence min(t, count - 1).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvRows {
+    pub keys: [u64; KV_ROWS],
+    pub values: [u64; KV_ROWS],
+    pub pos: [i32; KV_ROWS],
+    pub count: i32,
+}
+
+/// KV_ROWS in kernels/common/kv_rows.h.
+pub const KV_ROWS: usize = 8;
+
+impl KvRows {
+    /// The C struct's words: the pointers, then the positions and the count two to a word (its
+    /// size, 168 bytes, is a whole number of words: the count's word ends in padding).
+    fn words(&self) -> impl Iterator<Item = u64> + '_ {
+        let ints: Vec<u32> = self.pos.iter().chain([&self.count, &0]).map(|&v| v as u32).collect();
+        let pairs: Vec<u64> = ints.chunks_exact(2).map(|p| u64::from(p[0]) | u64::from(p[1]) << 32).collect();
+        self.keys.iter().chain(&self.values).copied().chain(pairs)
+    }
+}
+
+/// The arguments as the launch APIs want them, one pointer per parameter to its bytes: a scalar
+/// in an 8-byte word (the runtime copies as many bytes as the kernel's parameter has, so 4-byte
+/// ones read the low half, little-endian), a `KvRows` in as many words as its struct.
+pub struct ArgWords {
+    words: Vec<u64>,
+    starts: Vec<usize>,
+}
+
+impl ArgWords {
+    pub fn new(args: &[Arg]) -> Self {
+        let mut words = Vec::with_capacity(args.len());
+        let mut starts = Vec::with_capacity(args.len());
+        for a in args {
+            starts.push(words.len());
+            match *a {
+                Arg::Ptr(p) | Arg::U64(p) => words.push(p),
+                Arg::I64(v) => words.push(v as u64),
+                Arg::I32(v) => words.push(u64::from(v as u32)),
+                Arg::F32(v) => words.push(u64::from(v.to_bits())),
+                Arg::KvRows(ref rows) => words.extend(rows.words()),
+            }
+        }
+        ArgWords { words, starts }
+    }
+
+    /// One pointer per parameter into `self`, which must stay in place until the launch returns.
+    pub fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
+        let base = self.words.as_mut_ptr();
+        self.starts.iter().map(|&i| base.wrapping_add(i).cast()).collect()
+    }
 }
 
 /// Bytes after a cached code object: its length and FNV-1a hash, little-endian u64s, so that a
@@ -230,12 +273,13 @@ pub trait Runtime: Send + Sync {
 /// The kernel sources as one translation unit: the common headers first, then every op file, with
 /// the `#include "common/..."` lines removed (the run-time compilers get no include path).
 pub fn kernel_source() -> String {
-    const HEADERS: [&str; 5] = [
+    const HEADERS: [&str; 6] = [
         include_str!("../../../kernels/common/portable.h"),
         include_str!("../../../kernels/common/mma.h"),
         include_str!("../../../kernels/common/fp8.h"),
         include_str!("../../../kernels/common/packed.h"),
         include_str!("../../../kernels/common/wgmma.h"),
+        include_str!("../../../kernels/common/kv_rows.h"),
     ];
     const FILES: [&str; 10] = [
         include_str!("../../../kernels/elementwise.hip"),
@@ -284,6 +328,32 @@ pub fn kernel_cache_dir() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `KvRows` takes the bytes of kernels/common/kv_rows.h's struct: 8 key pointers at 0, 8
+    /// value pointers at 64, 8 positions at 128, the count at 160, 168 bytes in all; the
+    /// parameters around it keep one word each.
+    #[test]
+    fn kv_rows_are_laid_out_as_the_kernels_struct() {
+        let rows = KvRows {
+            keys: std::array::from_fn(|i| 0x1000 + i as u64),
+            values: std::array::from_fn(|i| 0x2000 + i as u64),
+            pos: std::array::from_fn(|i| 10 * i as i32 - 1),
+            count: 5,
+        };
+        let mut words = ArgWords::new(&[Arg::I32(-2), Arg::KvRows(rows), Arg::F32(1.5)]);
+        assert_eq!(words.words.len(), 1 + 21 + 1);
+        assert_eq!(words.starts, [0, 1, 22]);
+        let bytes: Vec<u8> = words.words[1..22].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        let int = |at: usize| i32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        assert_eq!((word(0), word(56), word(64), word(120)), (0x1000, 0x1007, 0x2000, 0x2007));
+        assert_eq!((int(128), int(132), int(156), int(160)), (-1, 9, 69, 5));
+        assert_eq!(words.words[0] as u32 as i32, -2);
+        assert_eq!(f32::from_bits(words.words[22] as u32), 1.5);
+        let pointers = words.pointers();
+        assert_eq!(pointers[1] as usize - pointers[0] as usize, 8);
+        assert_eq!(pointers[2] as usize - pointers[1] as usize, 21 * 8);
+    }
 
     /// Without a cache directory, compiled kernels are not cached, least of all relative to the
     /// current directory.
