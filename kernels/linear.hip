@@ -107,6 +107,36 @@ __device__ __forceinline__ const float* gemv_input(const float* x, const float* 
     return gemv_x;
 }
 
+// gemv_input's scales without the staging (the input is read in place and times norm_w where it
+// is used: the same values, the same bits). All tokens' sums in one pass and one reduction, each
+// summed in block_sum's order. Every thread of the block must call it.
+template <int TOKENS>
+__device__ __forceinline__ void gemv_scales(const float* x, const float* norm_w, float eps, int K, int tokens,
+                                            float (&scale)[TOKENS]) {
+    __shared__ float partial[TOKENS][32];  // [token][warp]
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+    float ss[TOKENS];
+#pragma unroll
+    for (int n = 0; n < TOKENS; n++) {
+        scale[n] = 1.0f;
+        ss[n] = norm_w && n < tokens ? stage_input4(x + (long)n * K, nullptr, K, [](int, float4) {}) : 0.0f;
+    }
+    if (!norm_w) return;
+#pragma unroll
+    for (int n = 0; n < TOKENS; n++) {
+        const float v = warp_sum(ss[n]);
+        if (lane == 0) partial[n][warp] = v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < TOKENS; n++) {
+        if (n >= tokens) break;
+        float total = 0.0f;
+        for (int w = 0; w < warps; w++) total += partial[n][w];
+        scale[n] = rsqrtf(total / K + eps);
+    }
+}
+
 // Loads in flight, STAGES deep: stage s of `st` holds step k (fetch(stage, k)) until
 // consume(stage, k) takes it, then fills again with the step STAGES strides ahead. Steps run
 // first, first + stride, ... < count in that order, so the arithmetic is the same for any
@@ -630,9 +660,10 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
 // meanwhile. Each input value goes through the mma as two bf16, x rounded (hi) and the rest rounded
 // (lo), in two chains of accumulators: products with 16 significant bits of x, each exact in f32.
 // A token's column of the mma is computed from its own inputs only, so one token and several get
-// the same bits (a sequence decoded beside others answers as it would alone). The input is read as
-// gemv1_bf16 reads it: staged times norm_w in shared memory when norm_w is given (dynamic shared
-// memory tokens * K * 4 bytes), else in place.
+// the same bits (a sequence decoded beside others answers as it would alone). One token's input is
+// staged times norm_w in shared memory when norm_w is given (dynamic shared memory K * 4 bytes), as
+// gemv1_bf16 stages it; several tokens' are read in place, times norm_w as they are used
+// (gemv_scales: staging eight would fill the shared memory, halving the blocks an SM holds).
 // Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 8 == 0.
 #define BF16_MMA_BLOCK 64
 
@@ -679,8 +710,13 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
     pdl_launch_dependents();
     pipeline_fill(st, unit, FP8_UNITS, fetch);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
+    // One token stages its normalised input (a little faster); several read theirs in place and
+    // take norm_w as they use it (their staging would fill the shared memory): the same values.
     float scale[TOKENS];
-    const float* xs = gemv_input<TOKENS>(x, norm_w, eps, K, tokens, scale);
+    const float* xs = x;
+    if (TOKENS == 1) xs = gemv_input<TOKENS>(x, norm_w, eps, K, tokens, scale);
+    else gemv_scales<TOKENS>(x, norm_w, eps, K, tokens, scale);
+    const float4* wt = TOKENS == 1 ? nullptr : (const float4*)norm_w;
     // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
     const float4* xt = (const float4*)(xs + (long)(g < tokens ? g : 0) * K);
     float acc[TILES][2][4] = {};  // [tile][hi, lo chain][mma accumulator]
@@ -688,8 +724,13 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int c = kb * 8 + j * 4 + t;
-            const float4 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
-            const float4 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
+            float4 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
+            float4 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
+            if (wt && c < chunks) {
+                const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
+                a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
+                b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+            }
             const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             unsigned int hi[4], lo[4];
             bf16_split8(xc, hi, lo);
