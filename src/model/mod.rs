@@ -673,9 +673,10 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             None => forward()?,
         };
         let mut out = Vec::with_capacity(rows.len());
-        match rows[0].want {
+        let first = rows.first().map(|r| r.want);
+        match first {
             // Greedy rows alike (the common case): one download for all their choices.
-            StepOutput::Argmax { limit } if rows.iter().all(|r| r.want == rows[0].want) => {
+            Some(StepOutput::Argmax { limit }) if rows.iter().all(|r| Some(r.want) == first) => {
                 out.extend(b.argmax_rows(&logits, limit)?.into_iter().map(StepResult::Token));
             }
             _ => {
