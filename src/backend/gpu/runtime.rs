@@ -32,12 +32,14 @@ pub struct KvRows {
 pub const KV_ROWS: usize = 8;
 
 impl KvRows {
-    /// The C struct's words: the pointers, then the positions and the count two to a word (its
-    /// size, 168 bytes, is a whole number of words: the count's word ends in padding).
-    fn words(&self) -> impl Iterator<Item = u64> + '_ {
-        let ints: Vec<u32> = self.pos.iter().chain([&self.count, &0]).map(|&v| v as u32).collect();
-        let pairs: Vec<u64> = ints.chunks_exact(2).map(|p| u64::from(p[0]) | u64::from(p[1]) << 32).collect();
-        self.keys.iter().chain(&self.values).copied().chain(pairs)
+    /// Appends the C struct's words: the pointers, then the positions and the count two to a word
+    /// (its size, 168 bytes, is a whole number of words: the count's word ends in padding).
+    fn push_words(&self, words: &mut Vec<u64>) {
+        let mut ints = [0i32; KV_ROWS + 2];
+        ints[..KV_ROWS].copy_from_slice(&self.pos);
+        ints[KV_ROWS] = self.count;
+        words.extend(self.keys.iter().chain(&self.values));
+        words.extend(ints.chunks_exact(2).map(|p| u64::from(p[0] as u32) | u64::from(p[1] as u32) << 32));
     }
 }
 
@@ -60,7 +62,7 @@ impl ArgWords {
                 Arg::I64(v) => words.push(v as u64),
                 Arg::I32(v) => words.push(u64::from(v as u32)),
                 Arg::F32(v) => words.push(u64::from(v.to_bits())),
-                Arg::KvRows(ref rows) => words.extend(rows.words()),
+                Arg::KvRows(ref rows) => rows.push_words(&mut words),
             }
         }
         ArgWords { words, starts }
