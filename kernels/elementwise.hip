@@ -1,4 +1,5 @@
-// Elementwise ops on f32 activations. Launch: 1-D grid of 256-thread blocks covering n.
+// Elementwise ops on f32 activations, and device copies. Launch: 1-D grid of 256-thread blocks
+// covering n unless a kernel says otherwise.
 #include "common/portable.h"
 #include "common/fp8.h"
 #include "common/packed.h"
@@ -131,5 +132,25 @@ ATLAS_KERNEL void fill_random_fp8(unsigned char* w, long n, unsigned long long s
     for (; i < n; i += stride) {
         const unsigned long long z = synthetic_hash(seed, i);
         w[i] = (unsigned char)(((z >> 56) & 0x80u) | ((z >> 40) & 0x3fu));
+    }
+}
+
+// Copies spans of device memory (saving and restoring the prefix cache's blocks): span s is
+// table[3s] = destination, table[3s + 1] = source, table[3s + 2] = bytes (even). Grid (x, spans),
+// blocks of 256 threads striding over their span: 16 bytes a thread a turn where both addresses
+// and the length allow it, else 2.
+ATLAS_KERNEL void copy_spans(const unsigned long long* table) {
+    const unsigned long long* span = table + 3 * (long)blockIdx.y;
+    const unsigned long long dst = span[0], src = span[1], bytes = span[2];
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    if (((dst | src | bytes) & 15) == 0) {
+        uint4* to = (uint4*)dst;
+        const uint4* from = (const uint4*)src;
+        for (unsigned long long i = first; i < bytes / 16; i += stride) to[i] = from[i];
+    } else {
+        unsigned short* to = (unsigned short*)dst;
+        const unsigned short* from = (const unsigned short*)src;
+        for (unsigned long long i = first; i < bytes / 2; i += stride) to[i] = from[i];
     }
 }

@@ -18,6 +18,13 @@ pub struct Rope {
     pub inv_freq: Vec<f32>,
 }
 
+/// One cache's saved pieces to write back (`Backend::restore_kv`), each with the position it
+/// starts at.
+pub struct KvRestore<'a, C> {
+    pub cache: &'a mut C,
+    pub pieces: Vec<(&'a C, usize)>,
+}
+
 /// Shape of one attention call: `num_heads` query heads share `num_kv_heads` key/value heads.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -204,12 +211,13 @@ pub trait Backend: Send + Sync {
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<Self::KvCache>;
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 
-    /// Positions `start..start + len` of `cache`, copied out into a cache of their own (a block of
-    /// the prefix cache). Bit-exact: restoring them gives back the same keys and values.
-    fn save_kv(&self, cache: &Self::KvCache, start: usize, len: usize) -> Result<Self::KvCache>;
-    /// Writes every position of `saved` (from `save_kv`) into `cache` from `start` on; positions
-    /// past them are left to be overwritten by later steps.
-    fn restore_kv(&self, saved: &Self::KvCache, cache: &mut Self::KvCache, start: usize) -> Result<()>;
+    /// Positions `start..start + len` of each cache, copied out into caches of their own (a block
+    /// of the prefix cache, every attention layer at once). Bit-exact: restoring them gives back
+    /// the same keys and values.
+    fn save_kv(&self, caches: &[&Self::KvCache], start: usize, len: usize) -> Result<Vec<Self::KvCache>>;
+    /// Writes saved pieces (from `save_kv`) back, every cache's at once: each piece's positions
+    /// from its start on; positions past them are left to be overwritten by later steps.
+    fn restore_kv(&self, restores: &mut [KvRestore<'_, Self::KvCache>]) -> Result<()>;
     /// Bytes `cache` holds (what a saved block costs the prefix cache's budget).
     fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
     /// Bytes `x` holds.

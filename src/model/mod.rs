@@ -17,7 +17,7 @@ use serde_json::Value;
 pub use config::{Architecture, ModelConfig};
 pub use weights::{LoadProgress, WeightSource};
 
-use crate::backend::{AttentionShape, Backend, Capability, QkNorms, Rope, StepOutput, StepResult};
+use crate::backend::{AttentionShape, Backend, Capability, KvRestore, QkNorms, Rope, StepOutput, StepResult};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
@@ -525,12 +525,14 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             return Err(Error::InvalidArgument(format!("save: a state at position {end}, but the recurrent layers are elsewhere")));
         }
         let b = &self.backend;
+        let attention: Vec<&B::KvCache> = slot.cache.iter().filter_map(|l| if let LayerCache::Attention(kv) = l { Some(kv) } else { None }).collect();
+        let mut saved_kv = b.save_kv(&attention, start, end - start)?.into_iter();
         let mut bytes = 0;
         let mut layers = Vec::with_capacity(slot.cache.len());
         for layer in &slot.cache {
             layers.push(match layer {
-                LayerCache::Attention(kv) => {
-                    let saved = b.save_kv(kv, start, end - start)?;
+                LayerCache::Attention(_) => {
+                    let saved = saved_kv.next().ok_or_else(|| Error::Device("save_kv returned fewer copies than caches".into()))?;
                     bytes += b.kv_bytes(&saved);
                     SavedLayer::<B>::Kv(saved)
                 }
@@ -557,24 +559,35 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         // A half-written cache is no state to continue from.
         slot.recurrent_at = None;
         slot.held = None;
-        for piece in pieces {
-            let layers = piece
-                .layers
-                .downcast_ref::<Vec<SavedLayer<B>>>()
-                .filter(|l| l.len() == slot.cache.len())
-                .ok_or_else(|| Error::InvalidArgument("restore: the pieces were saved by another model".into()))?;
-            for (saved, live) in layers.iter().zip(&mut slot.cache) {
-                match (saved, live) {
-                    (SavedLayer::Kv(saved), LayerCache::Attention(kv)) => self.backend.restore_kv(saved, kv, piece.start)?,
-                    (SavedLayer::State { conv, state }, LayerCache::Recurrent { conv: c, state: s }) => {
+        let other_model = || Error::InvalidArgument("restore: the pieces were saved by another model".into());
+        let saved: Vec<&Vec<SavedLayer<B>>> = pieces
+            .iter()
+            .map(|piece| piece.layers.downcast_ref::<Vec<SavedLayer<B>>>().filter(|l| l.len() == slot.cache.len()))
+            .collect::<Option<_>>()
+            .ok_or_else(other_model)?;
+        let mut restores = Vec::new();
+        for (i, live) in slot.cache.iter_mut().enumerate() {
+            match live {
+                LayerCache::Attention(cache) => {
+                    let pieces = pieces.iter().zip(&saved).map(|(piece, layers)| match &layers[i] {
+                        SavedLayer::Kv(kv) => Ok((kv, piece.start)),
+                        _ => Err(other_model()),
+                    });
+                    restores.push(KvRestore { cache, pieces: pieces.collect::<Result<_>>()? });
+                }
+                LayerCache::Recurrent { conv: c, state: s } => {
+                    if saved.iter().any(|layers| matches!(layers[i], SavedLayer::Kv(_))) {
+                        return Err(other_model());
+                    }
+                    // The last piece's state is the one at its end (checked above to be there).
+                    if let Some(SavedLayer::State { conv, state }) = saved.last().map(|layers| &layers[i]) {
                         self.backend.restore_tensor(conv, c)?;
                         self.backend.restore_tensor(state, s)?;
                     }
-                    (SavedLayer::Skipped, LayerCache::Recurrent { .. }) => {}
-                    _ => return Err(Error::InvalidArgument("restore: the pieces were saved by another model".into())),
                 }
             }
         }
+        self.backend.restore_kv(&mut restores)?;
         slot.recurrent_at = Some(last.end);
         Ok(())
     }

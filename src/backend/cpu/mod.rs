@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, Rope, Routing};
+use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Rope, Routing};
 use crate::quant::{dot, QuantMatrix};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
@@ -171,25 +171,34 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
-    fn save_kv(&self, cache: &CpuKvCache, start: usize, len: usize) -> Result<CpuKvCache> {
-        let w = cache.width;
-        let rows = start.checked_add(len).map(|end| start * w..end * w).filter(|r| r.end <= cache.keys.len());
-        let Some(rows) = rows else {
-            return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past the {} cached", cache.keys.len() / w.max(1))));
-        };
-        Ok(CpuKvCache { width: w, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec() })
+    fn save_kv(&self, caches: &[&CpuKvCache], start: usize, len: usize) -> Result<Vec<CpuKvCache>> {
+        caches
+            .iter()
+            .map(|cache| {
+                let w = cache.width;
+                let rows = start.checked_add(len).map(|end| start * w..end * w).filter(|r| r.end <= cache.keys.len());
+                let Some(rows) = rows else {
+                    return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past the {} cached", cache.keys.len() / w.max(1))));
+                };
+                Ok(CpuKvCache { width: w, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec() })
+            })
+            .collect()
     }
 
-    fn restore_kv(&self, saved: &CpuKvCache, cache: &mut CpuKvCache, start: usize) -> Result<()> {
-        if saved.width != cache.width {
-            return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+    fn restore_kv(&self, restores: &mut [KvRestore<'_, CpuKvCache>]) -> Result<()> {
+        for KvRestore { cache, pieces } in restores {
+            for &(saved, start) in pieces.iter() {
+                if saved.width != cache.width {
+                    return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+                }
+                let from = start * cache.width;
+                let end = from + saved.keys.len();
+                cache.keys.resize(end, 0.0);
+                cache.values.resize(end, 0.0);
+                cache.keys[from..].copy_from_slice(&saved.keys);
+                cache.values[from..].copy_from_slice(&saved.values);
+            }
         }
-        let from = start * cache.width;
-        let end = from + saved.keys.len();
-        cache.keys.resize(end, 0.0);
-        cache.values.resize(end, 0.0);
-        cache.keys[from..].copy_from_slice(&saved.keys);
-        cache.values[from..].copy_from_slice(&saved.values);
         Ok(())
     }
 

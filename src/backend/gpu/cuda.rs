@@ -51,8 +51,8 @@ unsafe impl Send for CudaRuntime {}
 // SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 109] = [
-    "silu_mul", "to_bf16", "add_inplace", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
+pub(crate) const KERNELS: [&str; 110] = [
+    "silu_mul", "to_bf16", "add_inplace", "copy_spans", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
     "gemv1_bf16_tokens", "gemv1_gate_up_bf16_tokens", "gemv1_fp8_tokens", "gemv1_fp8_long", "gemv1_gate_up_fp8_tokens", "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
     "logit_adjust", "log_partition", "draw_in_order",
@@ -461,5 +461,22 @@ mod tests {
         assert_eq!(props.maxSize, 0, "no size limit");
         assert!(props.reserved.iter().all(|&b| b == 0), "reserved bytes must be zero");
         assert!(pool_props(usize::MAX).is_err());
+    }
+
+    /// A kernel launched by name must be in a list, else the module never looks it up and every
+    /// launch of it fails: callers with a fallback (the prefix cache recomputes) only show it as
+    /// slowness. (Loading checks the other way: a listed kernel missing from the module is an error.)
+    #[test]
+    fn every_kernel_launched_by_name_is_loaded() {
+        let sources = [include_str!("mod.rs"), include_str!("moe.rs"), include_str!("delta_net.rs")];
+        let loaded: Vec<&str> = KERNELS.iter().chain(&MMA_KERNELS).chain(&WGMMA_KERNELS).copied().collect();
+        for source in sources {
+            for call in ["launch(\"", "launch_early(\""] {
+                for (at, _) in source.match_indices(call) {
+                    let name = source[at + call.len()..].split('"').next().unwrap_or_default();
+                    assert!(loaded.contains(&name), "{name} is launched but not in KERNELS");
+                }
+            }
+        }
     }
 }

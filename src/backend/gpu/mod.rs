@@ -18,7 +18,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use self::runtime::{Arg, KvRows, Runtime, KV_ROWS};
-use super::{AttentionShape, Backend, Capability, Proj, QkNorms, Rope, StepOutput, StepResult};
+use super::{AttentionShape, Backend, Capability, KvRestore, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
 use crate::sampling::{Adjustment, LogPartition, MAX_DEVICE_TOP_K};
 use crate::quant::{packed, DType, GgmlFormat, QuantMatrix};
@@ -247,6 +247,13 @@ struct GemvDevice {
     bf16_mma: bool,
     async_copy: bool,
     multiprocessors: u32,
+}
+
+/// `bytes` (even) from `src` to `dst` on the device; see `GpuBackend::copy_spans`.
+struct CopySpan {
+    dst: u64,
+    src: u64,
+    bytes: usize,
 }
 
 pub struct GpuKvCache {
@@ -1078,6 +1085,27 @@ impl GpuBackend {
         self.rt.launch(kernel, [blocks(n, BLOCK), 1, 1], [BLOCK, 1, 1], 0, args)
     }
 
+    /// Copies every span in one launch: a prefix-cache block is a span per layer for keys and
+    /// for values, and a long history's restore thousands of them (one copy call each took
+    /// ~4.5 µs, 21 ms for 16k positions of the Qwen3-8B shape).
+    fn copy_spans(&self, spans: &[CopySpan]) -> Result<()> {
+        // The grid's y dimension holds at most this many spans a launch.
+        const SPANS_PER_LAUNCH: usize = 65_535;
+        // Each thread copies up to this many 16-byte words of its span.
+        const WORDS_PER_THREAD: usize = 4;
+        let spans: Vec<&CopySpan> = spans.iter().filter(|s| s.bytes > 0).collect();
+        let Some(longest) = spans.iter().map(|s| s.bytes).max() else { return Ok(()) };
+        let table: Vec<u8> = spans.iter().flat_map(|s| [s.dst, s.src, s.bytes as u64]).flat_map(u64::to_le_bytes).collect();
+        let buf = DeviceBuffer::new(&self.rt, table.len())?;
+        self.rt.upload(buf.ptr, &table)?;
+        let x = blocks(longest.div_ceil(16 * WORDS_PER_THREAD), BLOCK);
+        for first in (0..spans.len()).step_by(SPANS_PER_LAUNCH) {
+            let count = (spans.len() - first).min(SPANS_PER_LAUNCH) as u32;
+            self.rt.launch("copy_spans", [x, count, 1], [BLOCK, 1, 1], 0, &[Arg::Ptr(buf.ptr + 24 * first as u64)])?;
+        }
+        Ok(())
+    }
+
     fn grow_cache(&self, cache: &mut GpuKvCache, needed: usize) -> Result<()> {
         if needed <= cache.capacity {
             return Ok(());
@@ -1227,31 +1255,47 @@ impl Backend for GpuBackend {
         Ok(out)
     }
 
-    fn save_kv(&self, cache: &GpuKvCache, start: usize, len: usize) -> Result<GpuKvCache> {
-        if start.checked_add(len).is_none_or(|end| end > cache.capacity) {
-            return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past a cache of {}", cache.capacity)));
+    fn save_kv(&self, caches: &[&GpuKvCache], start: usize, len: usize) -> Result<Vec<GpuKvCache>> {
+        let mut saved = Vec::with_capacity(caches.len());
+        let mut spans = Vec::with_capacity(2 * caches.len());
+        for cache in caches {
+            if start.checked_add(len).is_none_or(|end| end > cache.capacity) {
+                return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past a cache of {}", cache.capacity)));
+            }
+            let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(len, cache.width)?.max(2));
+            let copy = GpuKvCache {
+                keys: DeviceBuffer::new(&self.rt, bytes)?,
+                values: DeviceBuffer::new(&self.rt, bytes)?,
+                capacity: len,
+                width: cache.width,
+            };
+            spans.push(CopySpan { dst: copy.keys.ptr, src: cache.keys.ptr + offset, bytes });
+            spans.push(CopySpan { dst: copy.values.ptr, src: cache.values.ptr + offset, bytes });
+            saved.push(copy);
         }
-        let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(len, cache.width)?.max(2));
-        let saved = GpuKvCache {
-            keys: DeviceBuffer::new(&self.rt, bytes)?,
-            values: DeviceBuffer::new(&self.rt, bytes)?,
-            capacity: len,
-            width: cache.width,
-        };
-        self.rt.copy(saved.keys.ptr, cache.keys.ptr + offset, bytes)?;
-        self.rt.copy(saved.values.ptr, cache.values.ptr + offset, bytes)?;
+        self.copy_spans(&spans)?;
         Ok(saved)
     }
 
-    fn restore_kv(&self, saved: &GpuKvCache, cache: &mut GpuKvCache, start: usize) -> Result<()> {
-        if saved.width != cache.width {
-            return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+    fn restore_kv(&self, restores: &mut [KvRestore<'_, GpuKvCache>]) -> Result<()> {
+        let mut spans = Vec::new();
+        for KvRestore { cache, pieces } in restores.iter_mut() {
+            let mut end = 0;
+            for &(saved, start) in pieces.iter() {
+                if saved.width != cache.width {
+                    return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+                }
+                let piece_end = start.checked_add(saved.capacity).ok_or_else(|| Error::InvalidArgument("restore_kv: position overflow".into()))?;
+                end = end.max(piece_end);
+            }
+            self.grow_cache(cache, end)?;
+            for &(saved, start) in pieces.iter() {
+                let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(saved.capacity, cache.width)?);
+                spans.push(CopySpan { dst: cache.keys.ptr + offset, src: saved.keys.ptr, bytes });
+                spans.push(CopySpan { dst: cache.values.ptr + offset, src: saved.values.ptr, bytes });
+            }
         }
-        let end = start.checked_add(saved.capacity).ok_or_else(|| Error::InvalidArgument("restore_kv: position overflow".into()))?;
-        self.grow_cache(cache, end)?;
-        let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(saved.capacity, cache.width)?);
-        self.rt.copy(cache.keys.ptr + offset, saved.keys.ptr, bytes)?;
-        self.rt.copy(cache.values.ptr + offset, saved.values.ptr, bytes)
+        self.copy_spans(&spans)
     }
 
     fn kv_bytes(&self, cache: &GpuKvCache) -> usize {
