@@ -691,9 +691,12 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
     __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
-    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block.
+    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block; with several tokens also this
+    // lane's input there (x[j][half]: its chunks' 8 values), loaded a step ahead as the weights
+    // are, once the previous kernel has written it (their L2 latency is otherwise every step's).
     struct Stage {
         uint4 w[TILES][2][2];
+        float4 x[2][2];
         __device__ __forceinline__ void fetch(const Bf16Rows (&tiles)[TILES], int kb, int chunks, int t) {
 #pragma unroll
             for (int i = 0; i < TILES; i++)
@@ -705,8 +708,22 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
                         w[i][h][j] = c < chunks ? tiles[i].w[h][c] : make_uint4(0, 0, 0, 0);
                     }
         }
+        __device__ __forceinline__ void fetch_x(const float4* xt, int kb, int chunks, int t) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int c = kb * 8 + j * 4 + t;
+                x[j][0] = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
+                x[j][1] = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
+            }
+        }
     } st[2];
-    auto fetch = [&](Stage& stage, int kb) { stage.fetch(tiles, kb, chunks, t); };
+    const float4* xt = nullptr;  // this lane's input row, once the previous kernel has written it
+    auto fetch = [&](Stage& stage, int kb) {
+        stage.fetch(tiles, kb, chunks, t);
+        if constexpr (TOKENS > 1 && TILES == 1) {
+            if (xt) stage.fetch_x(xt, kb, chunks, t);
+        }
+    };
     pdl_launch_dependents();
     pipeline_fill(st, unit, FP8_UNITS, fetch);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
@@ -718,14 +735,24 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
     else gemv_scales<TOKENS>(x, norm_w, eps, K, tokens, scale);
     const float4* wt = TOKENS == 1 ? nullptr : (const float4*)norm_w;
     // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
-    const float4* xt = (const float4*)(xs + (long)(g < tokens ? g : 0) * K);
+    xt = (const float4*)(xs + (long)(g < tokens ? g : 0) * K);
+    if constexpr (TOKENS > 1 && TILES == 1) {
+#pragma unroll
+        for (int s = 0; s < 2; s++) st[s].fetch_x(xt, unit + s * FP8_UNITS, chunks, t);
+    }
     float acc[TILES][2][4] = {};  // [tile][hi, lo chain][mma accumulator]
     auto consume = [&](const Stage& st, int kb) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int c = kb * 8 + j * 4 + t;
-            float4 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
-            float4 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
+            float4 a, b;
+            if constexpr (TOKENS > 1 && TILES == 1) {
+                a = st.x[j][0];
+                b = st.x[j][1];
+            } else {
+                a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
+                b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
+            }
             if (wt && c < chunks) {
                 const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
                 a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
