@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::api::{prepare, run, Endpoint, DEFAULT_MAX_REQUEST_BYTES};
 use crate::engine::{Device, Engine, EngineOptions, DEFAULT_DRAFT_P_MIN, DEFAULT_PREFILL_CHUNK};
-use crate::Error;
+use crate::{CpuKernels, Error};
 use handles::{Loaded, Reentry};
 
 /// Version of this C ABI; bumped on any incompatible change.
@@ -127,7 +127,7 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 11] = [
+const OPTION_KEYS: [&str; 12] = [
     "model",
     "device",
     "ctx_size",
@@ -139,6 +139,7 @@ const OPTION_KEYS: [&str; 11] = [
     "draft_p_min",
     "parallel",
     "prefill_chunk",
+    "cpu_kernels",
 ];
 
 /// Load options as the C ABI takes them.
@@ -189,6 +190,11 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         },
         parallel: uint("parallel")?.unwrap_or(0),
         prefill_chunk: uint("prefill_chunk")?.unwrap_or(DEFAULT_PREFILL_CHUNK),
+        cpu_kernels: match obj.get("cpu_kernels") {
+            None | Some(Value::Null) => CpuKernels::Auto,
+            Some(Value::String(s)) => s.parse()?,
+            Some(_) => return Err(Error::InvalidArgument("option cpu_kernels must be a string".into())),
+        },
     };
     let max_request_bytes = match uint("max_request_bytes")? {
         Some(0) => return Err(Error::InvalidArgument("option max_request_bytes must be greater than zero".into())),
@@ -208,11 +214,12 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
 /// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
-/// "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N}; unknown keys are an
-/// error. `draft_p_min`: the least probability of a token the model's own drafting head guesses
-/// (default 0.75); `parallel`:
-/// requests decoded at once (0 or absent: as the device memory allows; 1 on the CPU);
-/// `prefill_chunk`: prompt positions read per step while others decode (default 512; 0: all).
+/// "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N, "cpu_kernels": K};
+/// unknown keys are an error. `draft_p_min`: the least probability of a token the model's own
+/// drafting head guesses (default 0.75); `parallel`: requests decoded at once (0 or absent: as
+/// the device memory allows; 1 on the CPU); `prefill_chunk`: prompt positions read per step
+/// while others decode (default 512; 0: all); `cpu_kernels`: "auto" (integer dot products for
+/// GGUF block weights on the CPU, the default), "scalar" or "reference" (f32, slow).
 /// On success `*out_model` holds the handle (release it with atlas_unload).
 ///
 /// # Safety
@@ -383,6 +390,8 @@ mod tests {
         assert_eq!(parse_options(r#"{"model": "m", "prefill_chunk": 0}"#).unwrap().engine.prefill_chunk, 0);
         assert_eq!(opts.engine.draft_p_min, DEFAULT_DRAFT_P_MIN);
         assert_eq!(parse_options(r#"{"model": "m", "draft_p_min": 0.5}"#).unwrap().engine.draft_p_min, 0.5);
+        assert_eq!(opts.engine.cpu_kernels, CpuKernels::Auto);
+        assert_eq!(parse_options(r#"{"model": "m", "cpu_kernels": "reference"}"#).unwrap().engine.cpu_kernels, CpuKernels::Reference);
         for bad in [
             r#"{"model": 1}"#,
             r#"{"model": "m", "ctx_size": "big"}"#,
@@ -392,6 +401,8 @@ mod tests {
             r#"{"model": "m", "prefill_chunk": -2}"#,
             r#"{"model": "m", "draft_p_min": 1.5}"#,
             r#"{"model": "m", "draft_p_min": "high"}"#,
+            r#"{"model": "m", "cpu_kernels": "fast"}"#,
+            r#"{"model": "m", "cpu_kernels": 1}"#,
             "[]",
         ] {
             assert!(matches!(parse_options(bad), Err(Error::InvalidArgument(_))), "{bad}");

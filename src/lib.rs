@@ -17,5 +17,6 @@ pub mod quant;
 pub mod sampling;
 pub mod tokenizer;
 
+pub use backend::cpu::CpuKernels;
 pub use engine::{Device, Engine, EngineOptions, FinishReason, GenerateRequest, Generation, LoadReport};
 pub use error::{Error, Result};

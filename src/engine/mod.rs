@@ -15,7 +15,7 @@ pub use frontend::{check_fits, Frontend};
 pub use prefix::PrefixCache;
 pub use stop::{StopMatcher, StopOutcome};
 
-use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::{CpuBackend, CpuKernels};
 use crate::backend::{Backend, StepOutput, StepResult};
 use crate::backend::gpu::{cuda, hip, GpuBackend};
 use crate::chat::ChatTemplate;
@@ -81,6 +81,8 @@ pub struct EngineOptions {
     /// one) reads at most: a longer prompt takes several steps, and the others' decode steps run
     /// between them, so their streams keep flowing while it is read. 0: a prompt in one step.
     pub prefill_chunk: usize,
+    /// How the CPU multiplies block-format weights (ignored on a GPU).
+    pub cpu_kernels: CpuKernels,
 }
 
 /// `EngineOptions::prefill_chunk` unless given: a piece costs an H200 about 27 ms of an 8B
@@ -97,7 +99,7 @@ pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK, cpu_kernels: CpuKernels::Auto }
     }
 }
 
@@ -964,7 +966,7 @@ fn bind(
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Box<dyn LanguageModel>> {
     let cpu = |config, progress: &mut dyn FnMut(LoadProgress)| -> Result<Box<dyn LanguageModel>> {
-        Ok(Box::new(Bound::load(CpuBackend::new(opts.threads)?, config, store, ctx_size, progress)?))
+        Ok(Box::new(Bound::load(CpuBackend::with_kernels(opts.threads, opts.cpu_kernels)?, config, store, ctx_size, progress)?))
     };
     match opts.device {
         Device::Cpu => cpu(config, progress),

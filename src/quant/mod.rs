@@ -8,6 +8,7 @@ pub mod fp8;
 mod ggml;
 mod kquant;
 pub mod packed;
+pub mod q8dot;
 pub mod synthetic;
 
 pub use dense::{DenseMatrix, DenseData};

@@ -1,11 +1,14 @@
 //! The reference backend: plain Rust, f32 accumulation, fixed summation order. Rows of a product
 //! are spread over a rayon pool; every output element is computed by one thread in one order, so
-//! results do not depend on the thread count.
+//! results do not depend on the thread count. Block-format weights (GGUF Q8_0, Q4_0, Q4_1) take
+//! integer dot products against an 8-bit copy of the input unless the f32 reference is asked for
+//! (`CpuKernels`; see quant::q8dot).
 
 use rayon::prelude::*;
 
 use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Rope, Routing};
-use crate::quant::{dot, QuantMatrix};
+use crate::quant::q8dot::{self, DotKernel, Q8Block};
+use crate::quant::{dot, GgmlMatrix, QuantMatrix};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
@@ -33,8 +36,52 @@ pub struct CpuKvCache {
     values: Vec<f32>,
 }
 
+/// How the CPU multiplies block-format weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuKernels {
+    /// Integer dot products on the fastest instructions this CPU has, unless the environment
+    /// variable `ATLAS_CPU_KERNELS` names another choice.
+    Auto,
+    /// Integer dot products in plain Rust (the same results as Auto's, slower).
+    Scalar,
+    /// Every weight widened to f32 a row at a time: the oracle the others are tested against.
+    Reference,
+}
+
+/// The environment variable that overrides `CpuKernels::Auto`.
+pub const CPU_KERNELS_ENV: &str = "ATLAS_CPU_KERNELS";
+
+impl std::str::FromStr for CpuKernels {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(CpuKernels::Auto),
+            "scalar" => Ok(CpuKernels::Scalar),
+            "reference" => Ok(CpuKernels::Reference),
+            _ => Err(Error::InvalidArgument(format!("CPU kernels {s:?}: expected auto, scalar or reference"))),
+        }
+    }
+}
+
+impl CpuKernels {
+    /// The integer kernel to use (None: the f32 reference).
+    fn resolve(self) -> Result<Option<DotKernel>> {
+        let choice = match (self, std::env::var(CPU_KERNELS_ENV)) {
+            (CpuKernels::Auto, Ok(v)) if !v.is_empty() => v.parse().map_err(|e: Error| Error::InvalidArgument(format!("{CPU_KERNELS_ENV}: {e}")))?,
+            _ => self,
+        };
+        Ok(match choice {
+            CpuKernels::Auto => Some(DotKernel::detect()),
+            CpuKernels::Scalar => Some(DotKernel::Scalar),
+            CpuKernels::Reference => None,
+        })
+    }
+}
+
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    /// The integer kernel for block formats; None: the f32 reference for every weight.
+    dot: Option<DotKernel>,
     /// See `Backend::set_token_mask`.
     token_mask: std::sync::Mutex<Option<Vec<u32>>>,
     /// See `Backend::set_logit_adjustments`.
@@ -42,14 +89,33 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// `threads == 0` uses every core.
+    /// The f32 reference for every product; `threads == 0` uses every core.
     pub fn new(threads: usize) -> Result<Self> {
+        Self::with_kernels(threads, CpuKernels::Reference)
+    }
+
+    pub fn with_kernels(threads: usize, kernels: CpuKernels) -> Result<Self> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("atlas-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
-        Ok(CpuBackend { pool, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
+        let dot = kernels.resolve()?;
+        Ok(CpuBackend { pool, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
+    }
+
+    /// `w`'s blocks and the integer kernel for them, when they take one: (matrix, which of its
+    /// rows `w` is, if not all).
+    fn integer_rows<'w>(&self, w: &'w dyn QuantMatrix) -> Option<(DotKernel, &'w GgmlMatrix, Option<&'w [usize]>)> {
+        let kernel = self.dot?;
+        let (matrix, rows) = match w.as_ggml() {
+            Some(m) => (m, None),
+            None => {
+                let (inner, rows) = w.row_selection()?;
+                (inner.as_ggml()?, Some(rows))
+            }
+        };
+        (q8dot::supports(matrix.format()) && matrix.cols() % q8dot::Q8_BLOCK == 0).then_some((kernel, matrix, rows))
     }
 
     /// The logits as argmax and top_k see them: adjusted, the token mask applied.
@@ -143,7 +209,8 @@ impl Backend for CpuBackend {
     type Experts = Vec<GatedMlp<Self>>;
 
     fn describe(&self) -> String {
-        format!("cpu ({} threads)", self.pool.current_num_threads())
+        let kernels = self.dot.map_or("f32 reference", DotKernel::name);
+        format!("cpu ({} threads, {kernels})", self.pool.current_num_threads())
     }
 
     fn supports(&self, _cap: Capability) -> bool {
@@ -260,21 +327,40 @@ impl Backend for CpuBackend {
             return Ok(CpuTensor::new(0, n, Vec::new()));
         }
         // Work on the transposed output [n, t] so each thread owns whole weight rows: a row is
-        // dequantised once and used for every token.
+        // read (or dequantised) once and used for every token.
         let mut out_t = vec![0f32; n * t];
-        self.pool.install(|| {
-            out_t.par_chunks_mut(t * 16).enumerate().for_each_init(
-                || vec![0f32; k],
-                |row_buf, (chunk, out)| {
+        if let Some((kernel, matrix, rows)) = self.integer_rows(w.as_ref()) {
+            let inputs: Vec<Vec<Q8Block>> = (0..t)
+                .map(|tok| {
+                    let mut q = Vec::new();
+                    q8dot::quantize_input(x.row(tok), &mut q);
+                    q
+                })
+                .collect();
+            self.pool.install(|| {
+                out_t.par_chunks_mut(t * 16).enumerate().for_each(|(chunk, out)| {
                     for (i, o) in out.chunks_exact_mut(t).enumerate() {
-                        w.dequant_row(chunk * 16 + i, row_buf);
-                        for (tok, slot) in o.iter_mut().enumerate() {
-                            *slot = dot(row_buf, x.row(tok));
-                        }
+                        let row = chunk * 16 + i;
+                        let blocks = matrix.row_blocks(rows.map_or(row, |r| r[row]));
+                        q8dot::dot_rows(kernel, matrix.format(), blocks, &inputs, o);
                     }
-                },
-            )
-        });
+                })
+            });
+        } else {
+            self.pool.install(|| {
+                out_t.par_chunks_mut(t * 16).enumerate().for_each_init(
+                    || vec![0f32; k],
+                    |row_buf, (chunk, out)| {
+                        for (i, o) in out.chunks_exact_mut(t).enumerate() {
+                            w.dequant_row(chunk * 16 + i, row_buf);
+                            for (tok, slot) in o.iter_mut().enumerate() {
+                                *slot = dot(row_buf, x.row(tok));
+                            }
+                        }
+                    },
+                )
+            });
+        }
         let mut out = vec![0f32; t * n];
         for (j, col) in out_t.chunks_exact(t).enumerate() {
             for (tok, v) in col.iter().enumerate() {

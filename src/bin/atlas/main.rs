@@ -173,6 +173,12 @@ pub struct LoadArgs {
     /// decode steps run between its steps (their streams keep flowing). 0: a prompt in one step.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// How the CPU multiplies GGUF block weights (Q8_0, Q4_0, Q4_1): auto = integer dot products
+    /// against an 8-bit copy of each input on the best instructions this CPU has (as llama.cpp);
+    /// scalar = the same sums in plain Rust; reference = every weight widened to f32 (slow, the
+    /// oracle). The environment variable ATLAS_CPU_KERNELS overrides auto.
+    #[arg(long, value_name = "KIND", default_value = "auto")]
+    cpu_kernels: String,
 }
 
 impl LoadArgs {
@@ -205,6 +211,7 @@ impl LoadArgs {
             draft_p_min: self.draft_p_min,
             parallel: self.parallel.unwrap_or(1),
             prefill_chunk: self.prefill_chunk,
+            cpu_kernels: self.cpu_kernels.parse()?,
         })
     }
 
@@ -229,6 +236,7 @@ impl LoadArgs {
             draft_p_min: self.draft_p_min,
             parallel: self.parallel.unwrap_or(1),
             prefill_chunk: self.prefill_chunk,
+            cpu_kernels: self.cpu_kernels.parse()?,
         })
     }
 

@@ -1,0 +1,332 @@
+//! The CPU's fast products for block formats: the input is quantised once to 8 bits in blocks of
+//! 32 values (a scale each, and the scaled sum of its codes, as ggml's Q8_1), and every weight
+//! block meets it in exact integer sums. Each block gives eight partial sums (four products
+//! each, the lanes of an AVX2 register), scaled and added in f32 into eight accumulators, which
+//! meet in a fixed tree at the end of the row: the scalar kernel does the same arithmetic in the
+//! same order, so both give the same bits (tested). Several tokens share each weight block's
+//! decoding (prefill). The f32 reference (`QuantMatrix::dequant_row` and `quant::dot`) stays the
+//! oracle these are held to.
+//!
+//! Weight blocks (ggml's layouts): Q8_0 = f16 d, 32 × i8; Q4_0 = f16 d, 16 bytes of nibbles
+//! (low nibble = value j, high = value j + 16), value = d · (q − 8); Q4_1 = f16 d, f16 m, the
+//! same nibbles, value = d · q + m.
+
+use half::f16;
+
+use super::GgmlFormat;
+
+/// Values per input block.
+pub const Q8_BLOCK: usize = 32;
+
+/// 32 input values as `d · qs[i]`; `sum` = `d · Σ qs` (Q4_1's offset term needs it).
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Block {
+    pub d: f32,
+    pub sum: f32,
+    pub qs: [i8; Q8_BLOCK],
+}
+
+/// Quantises `x` (a whole number of blocks) into `out`: each block's largest magnitude becomes
+/// ±127, the rest rounded to the nearest step.
+pub fn quantize_input(x: &[f32], out: &mut Vec<Q8Block>) {
+    debug_assert_eq!(x.len() % Q8_BLOCK, 0);
+    out.clear();
+    out.extend(x.chunks_exact(Q8_BLOCK).map(|values| {
+        let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0i8; Q8_BLOCK];
+        for (q, v) in qs.iter_mut().zip(values) {
+            *q = (v * inverse).round() as i8;
+        }
+        let codes: i32 = qs.iter().map(|&q| i32::from(q)).sum();
+        Q8Block { d, sum: d * codes as f32, qs }
+    }));
+}
+
+/// Which implementation computes the integer sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DotKernel {
+    Scalar,
+    /// x86-64 with AVX2 (checked at run time).
+    Avx2,
+}
+
+impl DotKernel {
+    /// The fastest kernel this CPU runs.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return DotKernel::Avx2;
+        }
+        DotKernel::Scalar
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DotKernel::Scalar => "scalar",
+            DotKernel::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Whether `dot_row` takes this format.
+pub fn supports(format: GgmlFormat) -> bool {
+    matches!(format, GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q4_1)
+}
+
+/// `out[i]` = one weight row (whole blocks of `format`, as many as each input has) times
+/// `inputs[i]`. `format` must be one `supports` takes; `kernel` one `DotKernel::detect` allows
+/// on this CPU.
+pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    debug_assert!(supports(format) && inputs.len() == out.len());
+    debug_assert!(inputs.iter().all(|x| row.len() == x.len() * format.block_bytes()));
+    match kernel {
+        DotKernel::Scalar => scalar::dot_rows(format, row, inputs, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: DotKernel::Avx2 is only chosen where is_x86_feature_detected!("avx2") holds.
+        DotKernel::Avx2 => unsafe { avx2::dot_rows(format, row, inputs, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        DotKernel::Avx2 => scalar::dot_rows(format, row, inputs, out),
+    }
+}
+
+fn half(bytes: &[u8]) -> f32 {
+    f16::from_le_bytes([bytes[0], bytes[1]]).to_f32()
+}
+
+/// Q4_1's offset: its block's m (the other formats have none).
+fn offset(format: GgmlFormat, block: &[u8]) -> Option<f32> {
+    (format == GgmlFormat::Q4_1).then(|| half(&block[2..]))
+}
+
+/// The eight accumulators' total, in the order the AVX2 kernel adds them.
+fn tree(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+mod scalar {
+    use super::{half, offset, tree, GgmlFormat, Q8Block};
+
+    pub fn dot_rows(format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        for (x, o) in inputs.iter().zip(out) {
+            let (mut acc, mut offsets) = ([0f32; 8], 0f32);
+            for (block, x) in row.chunks_exact(format.block_bytes()).zip(x) {
+                let w = codes(format, block);
+                let d = half(block) * x.d;
+                for (lane, a) in acc.iter_mut().enumerate() {
+                    let sum: i32 = (4 * lane..4 * lane + 4).map(|j| w[j] * i32::from(x.qs[j])).sum();
+                    *a += d * sum as f32;
+                }
+                if let Some(m) = offset(format, block) {
+                    offsets += m * x.sum;
+                }
+            }
+            *o = tree(acc) + offsets;
+        }
+    }
+
+    /// The block's 32 integer codes, offset as the format says (value = d · code, plus m).
+    fn codes(format: GgmlFormat, block: &[u8]) -> [i32; 32] {
+        let mut w = [0i32; 32];
+        match format {
+            GgmlFormat::Q8_0 => {
+                for (w, &b) in w.iter_mut().zip(&block[2..34]) {
+                    *w = i32::from(b as i8);
+                }
+            }
+            _ => {
+                let (nibbles, shift) = if format == GgmlFormat::Q4_0 { (&block[2..18], -8) } else { (&block[4..20], 0) };
+                for (j, &c) in nibbles.iter().enumerate() {
+                    w[j] = i32::from(c & 15) + shift;
+                    w[j + 16] = i32::from(c >> 4) + shift;
+                }
+            }
+        }
+        w
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{half, offset, GgmlFormat, Q8Block};
+
+    /// Tokens that share one decoding of a weight block (one accumulator register each).
+    const GROUP: usize = 4;
+
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn dot_rows(format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        let signed = format != GgmlFormat::Q4_1;
+        for (inputs, out) in inputs.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
+            let mut acc = [_mm256_setzero_ps(); GROUP];
+            let mut offsets = [0f32; GROUP];
+            for (b, block) in row.chunks_exact(format.block_bytes()).enumerate() {
+                // SAFETY: AVX2, as this function; the block has its format's bytes.
+                let w = unsafe { codes(format, block) };
+                // maddubs multiplies unsigned by signed bytes: |w| by q with w's sign.
+                let magnitude = if signed { _mm256_sign_epi8(w, w) } else { w };
+                let (dw, m) = (half(block), offset(format, block));
+                for (k, x) in inputs.iter().enumerate() {
+                    let x = &x[b];
+                    // SAFETY: `qs` is 32 bytes; unaligned load.
+                    let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+                    let q = if signed { _mm256_sign_epi8(q, w) } else { q };
+                    let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1));
+                    let scaled = _mm256_mul_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(lanes));
+                    acc[k] = _mm256_add_ps(acc[k], scaled);
+                    if let Some(m) = m {
+                        offsets[k] += m * x.sum;
+                    }
+                }
+            }
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = horizontal(acc[k]) + offsets[k];
+            }
+        }
+    }
+
+    /// The block's 32 codes as bytes (Q4_0's less 8; Q4_1's unsigned).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn codes(format: GgmlFormat, block: &[u8]) -> __m256i {
+        match format {
+            // SAFETY: a Q8_0 block is 34 bytes: 32 codes after the scale.
+            GgmlFormat::Q8_0 => unsafe { _mm256_loadu_si256(block[2..34].as_ptr().cast()) },
+            // SAFETY: 18 bytes: 16 of nibbles after the scale.
+            GgmlFormat::Q4_0 => _mm256_sub_epi8(unsafe { nibbles(&block[2..18]) }, _mm256_set1_epi8(8)),
+            // SAFETY: 20 bytes: 16 of nibbles after the two scales.
+            _ => unsafe { nibbles(&block[4..20]) },
+        }
+    }
+
+    /// 16 bytes of nibbles as 32 bytes: the low nibbles (values 0..16), then the high ones.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn nibbles(codes: &[u8]) -> __m256i {
+        debug_assert_eq!(codes.len(), 16);
+        // SAFETY: 16 bytes, unaligned load.
+        let packed = unsafe { _mm_loadu_si128(codes.as_ptr().cast()) };
+        let low = _mm_and_si128(packed, _mm_set1_epi8(15));
+        let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), _mm_set1_epi8(15));
+        _mm256_set_m128i(high, low)
+    }
+
+    /// The eight lanes' total in `tree`'s order: lanes i and i + 4, then those of 0 and 2, 1 and 3.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn horizontal(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dot, GgmlMatrix, QuantMatrix};
+    use crate::sampling::Rng;
+
+    fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * scale).collect()
+    }
+
+    /// Random blocks of `format` (random bytes, with finite scales).
+    fn random_blocks(rng: &mut Rng, format: GgmlFormat, blocks: usize) -> Vec<u8> {
+        let mut data: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| (rng.next_u64() & 0xff) as u8).collect();
+        let scales = if format == GgmlFormat::Q4_1 { 2 } else { 1 };
+        for block in data.chunks_exact_mut(format.block_bytes()) {
+            for s in 0..scales {
+                let v = f16::from_f32((rng.next_f64() as f32 - 0.5) * 0.02);
+                block[2 * s..2 * s + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        data
+    }
+
+    #[test]
+    fn quantised_input_round_trips_within_half_a_step() {
+        let mut rng = Rng::new(5);
+        let x = random(&mut rng, 96, 3.0);
+        let mut q = Vec::new();
+        quantize_input(&x, &mut q);
+        for (block, values) in q.iter().zip(x.chunks_exact(Q8_BLOCK)) {
+            assert!(block.qs.iter().any(|&c| c.abs() == 127));
+            for (&c, &v) in block.qs.iter().zip(values) {
+                assert!((c as f32 * block.d - v).abs() <= block.d * 0.5 + 1e-6);
+            }
+            assert_eq!(block.sum, block.d * block.qs.iter().map(|&c| c as i32).sum::<i32>() as f32);
+        }
+        quantize_input(&[0.0; 32], &mut q);
+        assert_eq!((q[0].d, q[0].qs), (0.0, [0; 32]));
+    }
+
+    /// Each format against the f32 reference (dequantised row · x), on random blocks: the only
+    /// difference is the input's rounding to 8 bits, at most half a step a value, so the error
+    /// is bounded by Σ |w| · d_x / 2 (plus f32 rounding). Every kernel gives the same bits, and a
+    /// token the same bits alone as among others (six: a group of four and two).
+    #[test]
+    fn integer_dots_match_the_reference_within_the_input_rounding() {
+        let mut rng = Rng::new(11);
+        let kernels = [DotKernel::Scalar, DotKernel::detect()];
+        for format in [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1] {
+            assert!(supports(format));
+            for blocks in [1, 3, 18, 48] {
+                let cols = blocks * format.block_size();
+                let m = GgmlMatrix::new(format, 1, cols, random_blocks(&mut rng, format, blocks)).unwrap();
+                let mut w = vec![f32::NAN; cols];
+                m.dequant_row(0, &mut w);
+                let xs: Vec<Vec<f32>> = (0..6).map(|_| random(&mut rng, cols, 2.0)).collect();
+                let inputs: Vec<Vec<Q8Block>> = xs
+                    .iter()
+                    .map(|x| {
+                        let mut q = Vec::new();
+                        quantize_input(x, &mut q);
+                        q
+                    })
+                    .collect();
+                for kernel in kernels {
+                    let mut together = vec![f32::NAN; 6];
+                    dot_rows(kernel, format, m.row_blocks(0), &inputs, &mut together);
+                    for (i, (x, q)) in xs.iter().zip(&inputs).enumerate() {
+                        let want = dot(&w, x);
+                        let bound: f32 = w.chunks_exact(Q8_BLOCK).zip(q).map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5).sum();
+                        let magnitude: f32 = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+                        let got = together[i];
+                        assert!((got - want).abs() <= bound + 1e-5 * magnitude, "{format:?} × {blocks} {kernel:?}: {got} vs {want} (bound {bound})");
+                        // Against the rounded input itself, only f32 rounding is left.
+                        let rounded: Vec<f32> = q.iter().flat_map(|b| b.qs.map(|c| c as f32 * b.d)).collect();
+                        let exact = dot(&w, &rounded);
+                        assert!((got - exact).abs() <= 1e-5 * magnitude, "{format:?} × {blocks} {kernel:?}: {got} vs {exact} on the rounded input");
+                        let mut alone = [f32::NAN];
+                        dot_rows(kernel, format, m.row_blocks(0), std::slice::from_ref(q), &mut alone);
+                        let mut scalar = [f32::NAN];
+                        dot_rows(DotKernel::Scalar, format, m.row_blocks(0), std::slice::from_ref(q), &mut scalar);
+                        assert_eq!((alone[0].to_bits(), scalar[0].to_bits()), (got.to_bits(), got.to_bits()), "{format:?} × {blocks} {kernel:?} token {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The sign trick's edge: weight codes of −128 and inputs of ±127 stay exact.
+    #[test]
+    fn extreme_codes_sum_exactly() {
+        let mut block = vec![0u8; 34];
+        block[..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+        for (i, b) in block[2..].iter_mut().enumerate() {
+            *b = if i % 2 == 0 { 0x80 } else { 0x7f };
+        }
+        let x = Q8Block { d: 1.0, sum: 0.0, qs: [127; 32] };
+        let want = 16.0 * (-128.0 * 127.0) + 16.0 * (127.0 * 127.0);
+        for k in [DotKernel::Scalar, DotKernel::detect()] {
+            let mut out = [f32::NAN];
+            dot_rows(k, GgmlFormat::Q8_0, &block, &[vec![x]], &mut out);
+            assert_eq!(out[0], want, "{k:?}");
+        }
+    }
+}
