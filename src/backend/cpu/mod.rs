@@ -1,8 +1,8 @@
 //! The reference backend: plain Rust, f32 accumulation, fixed summation order. Rows of a product
 //! are spread over a rayon pool; every output element is computed by one thread in one order, so
-//! results do not depend on the thread count. Block-format weights (GGUF Q8_0, Q4_0, Q4_1) take
-//! integer dot products against an 8-bit copy of the input unless the f32 reference is asked for
-//! (`CpuKernels`; see quant::q8dot).
+//! results do not depend on the thread count. Block-format weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K,
+//! Q5_K, Q6_K) take integer dot products against an 8-bit copy of the input unless the f32
+//! reference is asked for (`CpuKernels`; see quant::q8dot).
 
 use rayon::prelude::*;
 
