@@ -9,9 +9,11 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
+use crate::quant::BlockBytes;
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"GGUF";
@@ -318,10 +320,16 @@ impl Backing {
     }
 }
 
+impl AsRef<[u8]> for Backing {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
 /// A parsed GGUF file; tensor data stays in the map until asked for.
 pub struct GgufFile {
     path: PathBuf,
-    data: Backing,
+    data: Arc<Backing>,
     version: u32,
     metadata: Vec<(String, MetaValue)>,
     meta_index: HashMap<String, usize>,
@@ -365,7 +373,7 @@ impl GgufFile {
     fn parse(path: PathBuf, data: Backing) -> Result<Self> {
         let parsed = parse(data.bytes()).map_err(|reason| Error::bad_file(&path, reason))?;
         let Parsed { version, metadata, meta_index, tensors, tensor_index, alignment, data_start } = parsed;
-        Ok(GgufFile { path, data, version, metadata, meta_index, tensors, tensor_index, alignment, data_start })
+        Ok(GgufFile { path, data: Arc::new(data), version, metadata, meta_index, tensors, tensor_index, alignment, data_start })
     }
 
     pub fn path(&self) -> &Path {
@@ -434,6 +442,15 @@ impl GgufFile {
     /// The raw bytes of a tensor of this file.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         &self.data.bytes()[t.start..t.end]
+    }
+
+    /// `bytes` (a slice of this file's data, as `tensor_data` gives) as blocks that share the
+    /// file's mapping instead of copying it; None for bytes from elsewhere.
+    pub fn share(&self, bytes: &[u8]) -> Option<BlockBytes> {
+        let whole = self.data.bytes();
+        let start = (bytes.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
+        let range = start..start.checked_add(bytes.len())?;
+        (range.end <= whole.len()).then(|| BlockBytes::Shared { source: self.data.clone(), range })
     }
 }
 

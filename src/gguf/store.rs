@@ -496,7 +496,11 @@ impl GgufStore {
                 ),
             )
         })?;
-        let m = GgmlMatrix::new(format, rows, cols, bytes.into_owned()).map_err(|e| Error::bad_tensor(name, e.to_string()))?;
+        let blocks = match bytes {
+            Cow::Borrowed(raw) => self.file.share(raw).unwrap_or_else(|| raw.to_vec().into()),
+            Cow::Owned(copy) => copy.into(),
+        };
+        let m = GgmlMatrix::new(format, rows, cols, blocks).map_err(|e| Error::bad_tensor(name, e.to_string()))?;
         Ok(Box::new(m))
     }
 

@@ -4,6 +4,9 @@
 //! number of blocks; `dequant_row` is the CPU reference and follows ggml's `dequantize_row_*` step for
 //! step (same products in the same order, all in f32), so it matches ggml's own output.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use super::{fp4, kquant, DType, QuantMatrix};
 use crate::{Error, Result};
 
@@ -404,12 +407,35 @@ fn iq4_xs(b: &[u8], y: &mut [f32]) {
 }
 
 /// A `[rows, cols]` matrix of GGML blocks, row-major; every row is `cols / block_size` blocks.
+/// The bytes a matrix's blocks live in: its own, or a range of something shared (a GGUF file's
+/// mapping, kept alive by the matrices that read it: the weights are not copied).
+#[derive(Clone)]
+pub enum BlockBytes {
+    Owned(Vec<u8>),
+    Shared { source: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize> },
+}
+
+impl BlockBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            BlockBytes::Owned(bytes) => bytes,
+            BlockBytes::Shared { source, range } => &(**source).as_ref()[range.clone()],
+        }
+    }
+}
+
+impl From<Vec<u8>> for BlockBytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        BlockBytes::Owned(bytes)
+    }
+}
+
 pub struct GgmlMatrix {
     rows: usize,
     cols: usize,
     format: GgmlFormat,
     row_bytes: usize,
-    data: Vec<u8>,
+    data: BlockBytes,
 }
 
 impl std::fmt::Debug for GgmlMatrix {
@@ -425,7 +451,8 @@ impl std::fmt::Debug for GgmlMatrix {
 impl GgmlMatrix {
     /// `data` holds the rows' blocks back to back. Errors (`InvalidArgument`) when `cols` is not a
     /// whole number of blocks or the byte count does not match.
-    pub fn new(format: GgmlFormat, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
+    pub fn new(format: GgmlFormat, rows: usize, cols: usize, data: impl Into<BlockBytes>) -> Result<Self> {
+        let data = data.into();
         let row_bytes = format.row_bytes(cols).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "{format} stores rows in blocks of {} values, but a row has {cols}",
@@ -433,11 +460,11 @@ impl GgmlMatrix {
             ))
         })?;
         let expected = row_bytes.checked_mul(rows);
-        if expected != Some(data.len()) {
+        if expected != Some(data.as_slice().len()) {
             return Err(Error::InvalidArgument(format!(
                 "{format} matrix [{rows}, {cols}] needs {} bytes, got {}",
                 expected.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
-                data.len()
+                data.as_slice().len()
             )));
         }
         Ok(GgmlMatrix { rows, cols, format, row_bytes, data })
@@ -449,12 +476,12 @@ impl GgmlMatrix {
 
     /// All blocks, row after row (for backends that decode on the device).
     pub fn blocks(&self) -> &[u8] {
-        &self.data
+        self.data.as_slice()
     }
 
     /// The blocks of one row.
     pub fn row_blocks(&self, row: usize) -> &[u8] {
-        &self.data[row * self.row_bytes..(row + 1) * self.row_bytes]
+        &self.data.as_slice()[row * self.row_bytes..(row + 1) * self.row_bytes]
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -476,7 +503,7 @@ impl QuantMatrix for GgmlMatrix {
     }
 
     fn storage_bytes(&self) -> usize {
-        self.data.len()
+        self.data.as_slice().len()
     }
 
     fn dequant_row(&self, row: usize, out: &mut [f32]) {

@@ -12,7 +12,7 @@ pub mod q8dot;
 pub mod synthetic;
 
 pub use dense::{DenseMatrix, DenseData};
-pub use ggml::{GgmlFormat, GgmlMatrix};
+pub use ggml::{BlockBytes, GgmlFormat, GgmlMatrix};
 
 /// Element types a weight can be stored in.
 #[allow(non_camel_case_types)]
