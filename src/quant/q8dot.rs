@@ -14,8 +14,6 @@
 //! and minimums, code = nibble, plus a fifth bit from qh); Q6_K = eight pieces per 256, a scale
 //! for each 16 values (hence two per piece, for lanes 0-3 and 4-7), code = 6 bits − 32.
 
-use half::f16;
-
 use super::ggml::scale_min_k4;
 use super::GgmlFormat;
 
@@ -74,10 +72,12 @@ impl DotKernel {
     }
 }
 
+/// The formats `dot_rows` takes.
+const FORMATS: [GgmlFormat; 6] = [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K];
+
 /// Whether `dot_rows` takes this format.
 pub fn supports(format: GgmlFormat) -> bool {
-    use GgmlFormat::*;
-    matches!(format, Q8_0 | Q4_0 | Q4_1 | Q4_K | Q5_K | Q6_K)
+    FORMATS.contains(&format)
 }
 
 /// `out[i]` = one weight row (whole blocks of `format`, 32 values for each of an input's blocks)
@@ -96,8 +96,18 @@ pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, row: &[u8], inputs: &[Vec
     }
 }
 
+/// The f16 at the start of `bytes`, widened (exactly, as `half::f16::to_f32`, without its run-time
+/// dispatch: this runs for every piece).
+#[inline(always)]
 fn half(bytes: &[u8]) -> f32 {
-    f16::from_le_bytes([bytes[0], bytes[1]]).to_f32()
+    let h = u32::from(u16::from_le_bytes([bytes[0], bytes[1]]));
+    let (sign, exponent, mantissa) = ((h & 0x8000) << 16, (h >> 10) & 31, h & 0x3ff);
+    let magnitude = match exponent {
+        0 => (mantissa as f32 * (1.0 / 16_777_216.0)).to_bits(),
+        31 => 0x7f80_0000 | (mantissa << 13),
+        _ => ((exponent + 112) << 23) | (mantissa << 13),
+    };
+    f32::from_bits(sign | magnitude)
 }
 
 /// How one 32-value piece scales: `scales[0]` for its first 16 values, `scales[1]` for the rest;
@@ -108,22 +118,26 @@ struct Piece {
 }
 
 /// The block of piece `p` of a row, and which of the block's pieces it is.
+#[inline(always)]
 fn locate(format: GgmlFormat, row: &[u8], p: usize) -> (&[u8], usize) {
     let per_block = format.block_size() / Q8_BLOCK;
     let bytes = format.block_bytes();
     (&row[p / per_block * bytes..][..bytes], p % per_block)
 }
 
+#[inline(always)]
 fn has_offset(format: GgmlFormat) -> bool {
     matches!(format, GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K)
 }
 
 /// Whether the format's codes are signed (else unsigned, below 128).
+#[inline(always)]
 fn signed(format: GgmlFormat) -> bool {
     matches!(format, GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q6_K)
 }
 
 /// Piece `k` of a block: its scales and offset.
+#[inline(always)]
 fn piece(format: GgmlFormat, block: &[u8], k: usize) -> Piece {
     let one = |scale: f32, offset: f32| Piece { scales: [scale, scale], offset };
     match format {
@@ -142,6 +156,7 @@ fn piece(format: GgmlFormat, block: &[u8], k: usize) -> Piece {
 }
 
 /// The eight accumulators' total, in the order the AVX2 kernel adds them.
+#[inline(always)]
 fn tree(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
@@ -212,7 +227,7 @@ mod scalar {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{has_offset, locate, piece, signed, GgmlFormat, Piece, Q8Block};
+    use super::{has_offset, locate, piece, signed, GgmlFormat, Piece, Q8Block, FORMATS};
 
     /// Tokens that share one decoding of a weight piece (one accumulator register each).
     const GROUP: usize = 4;
@@ -221,6 +236,23 @@ mod avx2 {
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
     pub unsafe fn dot_rows(format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        // One copy of the loop per format, its decoding resolved at compile time.
+        // SAFETY: AVX2, as this function.
+        unsafe {
+            match FORMATS.iter().position(|&f| f == format) {
+                Some(0) => dot_rows_of::<0>(row, inputs, out),
+                Some(1) => dot_rows_of::<1>(row, inputs, out),
+                Some(2) => dot_rows_of::<2>(row, inputs, out),
+                Some(3) => dot_rows_of::<3>(row, inputs, out),
+                Some(4) => dot_rows_of::<4>(row, inputs, out),
+                _ => dot_rows_of::<5>(row, inputs, out),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot_rows_of<const F: usize>(row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        let format = FORMATS[F];
         let (signed, offsets_too) = (signed(format), has_offset(format));
         let pieces = inputs.first().map_or(0, Vec::len);
         for (inputs, out) in inputs.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
@@ -327,6 +359,7 @@ mod tests {
     use super::*;
     use crate::quant::{dot, GgmlMatrix, QuantMatrix};
     use crate::sampling::Rng;
+    use half::f16;
 
     fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * scale).collect()
@@ -347,6 +380,15 @@ mod tests {
             }
         }
         data
+    }
+
+    #[test]
+    fn halves_widen_as_the_half_crate_does() {
+        for bits in 0..=u16::MAX {
+            let want = half::f16::from_bits(bits).to_f32();
+            let got = super::half(&bits.to_le_bytes());
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{bits:#06x}: {got} vs {want}");
+        }
     }
 
     #[test]
