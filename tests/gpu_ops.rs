@@ -12,7 +12,7 @@ use atlas::backend::{AttentionShape, Backend, KvRestore, Proj, QkNorms, Rope};
 use atlas::quant::fp8::Fp8BlockMatrix;
 use atlas::quant::{DenseData, DenseMatrix, QuantMatrix};
 use atlas::sampling::{Adjustment, Rng};
-use atlas::{Device, Engine, EngineOptions, GenerateRequest};
+use atlas::{CpuKernels, Device, Engine, EngineOptions, GenerateRequest};
 
 fn gpu() -> Option<GpuBackend> {
     if !cuda::available() {
@@ -1501,7 +1501,11 @@ fn block_formats_stay_packed_and_match_the_cpu() {
 /// every generated position the GPU's token is the CPU's argmax or within rounding of it (a random
 /// fixture's top two logits can be closer than f16 weights resolve).
 fn check_quantized_greedy(name: &str, path: &std::path::Path, prompt: &[u32]) {
-    let load = |device| Engine::load(&EngineOptions { device, ctx_size: Some(128), ..EngineOptions::new(path) }, &mut |_| {}).unwrap();
+    // The CPU's f32 reference, not its integer kernels (which round the input to 8 bits).
+    let load = |device| {
+        let opts = EngineOptions { device, ctx_size: Some(128), cpu_kernels: CpuKernels::Reference, ..EngineOptions::new(path) };
+        Engine::load(&opts, &mut |_| {}).unwrap()
+    };
     let (mut on_cpu, mut on_gpu) = (load(Device::Cpu), load(Device::Cuda));
     assert!(on_gpu.report().device.starts_with("cuda"), "{}", on_gpu.report().device);
     let err = relative_error(&on_gpu.logits(prompt).unwrap(), &on_cpu.logits(prompt).unwrap());
