@@ -97,11 +97,12 @@ const char *atlas_version(void);
 
 // Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
 // "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
-// "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N}; unknown keys are an
-// error. `draft_p_min`: the least probability of a token the model's own drafting head guesses
-// (default 0.75); `parallel`:
-// requests decoded at once (0 or absent: as the device memory allows; 1 on the CPU);
-// `prefill_chunk`: prompt positions read per step while others decode (default 512; 0: all).
+// "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N, "cpu_kernels": K};
+// unknown keys are an error. `draft_p_min`: the least probability of a token the model's own
+// drafting head guesses (default 0.75); `parallel`: requests decoded at once (0 or absent: as
+// the device memory allows; 1 on the CPU); `prefill_chunk`: prompt positions read per step
+// while others decode (default 512; 0: all); `cpu_kernels`: "auto" (integer dot products for
+// GGUF block weights on the CPU, the default), "scalar" or "reference" (f32, slow).
 // On success `*out_model` holds the handle (release it with atlas_unload).
 //
 // # Safety
