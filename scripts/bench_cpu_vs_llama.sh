@@ -3,7 +3,8 @@
 # the other for each file (docs/benchmarks.md, "CPU"): SmolLM2-135M-Instruct Q4_1 (`atlas setup`'s
 # default model: pp128, tg64) and a Qwen3-0.6B-shaped random BF16 GGUF quantised by llama-quantize
 # to Q8_0 and Q4_K_M (pp512, tg128). Each run's peak RSS comes from /usr/bin/time. The machine is
-# noisy: compare the two engines' ratios from one run, not absolute numbers across runs.
+# noisy: compare the two engines' ratios from one run, not absolute numbers across runs. Atlas
+# runs with --cpu-kernels auto (its integer kernels; the default is the f32 reference).
 #
 # The 0.6B file: ../shared/tools/make_random_qwen3_gguf.py OUT 1024 3072 28 16 8 151936 (gguf-py
 # from the llama.cpp tree on PYTHONPATH). llama.cpp CPU-only: cmake -DGGML_CUDA=OFF, targets
@@ -26,7 +27,7 @@ run() {
     if [[ $name == llama.cpp ]]; then
         /usr/bin/time -v "$llama/bin/llama-bench" -m "$file" -t "$threads" -p "$p" -n "$n" -r 3 >"$log" 2>&1
     else
-        /usr/bin/time -v "$atlas" bench --model "$file" --device cpu -t "$threads" -p "$p" -n "$n" -r 3 >"$log" 2>&1
+        /usr/bin/time -v "$atlas" bench --model "$file" --device cpu --cpu-kernels auto -t "$threads" -p "$p" -n "$n" -r 3 >"$log" 2>&1
     fi
     echo "== $name $(basename "$file") ($threads threads)"
     grep -E '^\|' "$log" | grep -vE '^\| (model|---)' || true

@@ -22,8 +22,8 @@ fi
 export ATLAS_SKIP_LOG=$PWD/target/skipped-tests.txt
 rm -f "$ATLAS_SKIP_LOG"
 cargo test --release --locked
-# The CPU's integer kernels once more with the scalar path forced (the run above took the fastest
-# this CPU has): the block-format models end to end.
+# The CPU's integer kernels once more with the scalar path forced for CpuKernels::Auto (the run
+# above took the fastest this CPU has): the block-format models end to end.
 ATLAS_CPU_KERNELS=scalar cargo test --release --locked --test gguf_smollm2 --test gguf_hybrid
 if [[ -s $ATLAS_SKIP_LOG ]]; then
     echo "SKIPPED: $(wc -l <"$ATLAS_SKIP_LOG") tests did not run here (they passed as ok):"
