@@ -50,7 +50,7 @@ pub fn quantize_input(x: &[f32], out: &mut Vec<Q8Block>) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DotKernel {
     Scalar,
-    /// x86-64 with AVX2 (checked at run time).
+    /// x86-64 with AVX2 and F16C (checked at run time).
     Avx2,
 }
 
@@ -58,7 +58,7 @@ impl DotKernel {
     /// The fastest kernel this CPU runs.
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
             return DotKernel::Avx2;
         }
         DotKernel::Scalar
@@ -80,24 +80,25 @@ pub fn supports(format: GgmlFormat) -> bool {
     FORMATS.contains(&format)
 }
 
-/// `out[i]` = one weight row (whole blocks of `format`, 32 values for each of an input's blocks)
-/// times `inputs[i]`. `format` must be one `supports` takes; `kernel` one `DotKernel::detect`
-/// allows on this CPU.
-pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-    debug_assert!(supports(format) && inputs.len() == out.len());
-    debug_assert!(inputs.iter().all(|x| row.len() * format.block_size() == x.len() * Q8_BLOCK * format.block_bytes()));
+/// `out[r · T + i]` = weight row `rows[r]` (whole blocks of `format`, 32 values for each of an
+/// input's blocks) times `inputs[i]`, for T = `inputs.len()` tokens. `format` must be one
+/// `supports` takes; `kernel` one `DotKernel::detect` allows on this CPU. Each output is summed
+/// in the same order whichever rows and tokens share the call.
+pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    debug_assert!(supports(format) && rows.len() * inputs.len() == out.len());
+    debug_assert!(rows.iter().all(|row| inputs.iter().all(|x| row.len() * format.block_size() == x.len() * Q8_BLOCK * format.block_bytes())));
     match kernel {
-        DotKernel::Scalar => scalar::dot_rows(format, row, inputs, out),
+        DotKernel::Scalar => scalar::dot_rows(format, rows, inputs, out),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: DotKernel::Avx2 is only chosen where is_x86_feature_detected!("avx2") holds.
-        DotKernel::Avx2 => unsafe { avx2::dot_rows(format, row, inputs, out) },
+        // SAFETY: DotKernel::Avx2 is only chosen where AVX2 and F16C are detected.
+        DotKernel::Avx2 => unsafe { avx2::dot_rows(format, rows, inputs, out) },
         #[cfg(not(target_arch = "x86_64"))]
-        DotKernel::Avx2 => scalar::dot_rows(format, row, inputs, out),
+        DotKernel::Avx2 => scalar::dot_rows(format, rows, inputs, out),
     }
 }
 
 /// The f16 at the start of `bytes`, widened (exactly, as `half::f16::to_f32`, without its run-time
-/// dispatch: this runs for every piece).
+/// dispatch).
 #[inline(always)]
 fn half(bytes: &[u8]) -> f32 {
     let h = u32::from(u16::from_le_bytes([bytes[0], bytes[1]]));
@@ -110,6 +111,17 @@ fn half(bytes: &[u8]) -> f32 {
     f32::from_bits(sign | magnitude)
 }
 
+/// Where a block's two f16 fields lie: its scale d, and Q4_1's m or the k-quants' dmin (formats
+/// without a second field name the first twice).
+#[inline(always)]
+fn halves_at(format: GgmlFormat) -> [usize; 2] {
+    match format {
+        GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => [0, 2],
+        GgmlFormat::Q6_K => [208, 208],
+        _ => [0, 0],
+    }
+}
+
 /// How one 32-value piece scales: `scales[0]` for its first 16 values, `scales[1]` for the rest;
 /// `offset` is added to every value (its product is `offset` times the input block's sum).
 struct Piece {
@@ -117,12 +129,10 @@ struct Piece {
     offset: f32,
 }
 
-/// The block of piece `p` of a row, and which of the block's pieces it is.
+/// Pieces (of 32 values) in one block of the format.
 #[inline(always)]
-fn locate(format: GgmlFormat, row: &[u8], p: usize) -> (&[u8], usize) {
-    let per_block = format.block_size() / Q8_BLOCK;
-    let bytes = format.block_bytes();
-    (&row[p / per_block * bytes..][..bytes], p % per_block)
+fn pieces_per_block(format: GgmlFormat) -> usize {
+    format.block_size() / Q8_BLOCK
 }
 
 #[inline(always)]
@@ -136,22 +146,21 @@ fn signed(format: GgmlFormat) -> bool {
     matches!(format, GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q6_K)
 }
 
-/// Piece `k` of a block: its scales and offset.
+/// Piece `k` of a block whose f16 fields (at `halves_at`) widen to `halves`: its scales and offset.
 #[inline(always)]
-fn piece(format: GgmlFormat, block: &[u8], k: usize) -> Piece {
+fn piece(format: GgmlFormat, block: &[u8], halves: [f32; 2], k: usize) -> Piece {
     let one = |scale: f32, offset: f32| Piece { scales: [scale, scale], offset };
     match format {
-        GgmlFormat::Q4_1 => one(half(block), half(&block[2..])),
+        GgmlFormat::Q4_1 => one(halves[0], halves[1]),
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
             let (sc, m) = scale_min_k4(k, &block[4..16]);
-            one(half(block) * sc as f32, -(half(&block[2..]) * m as f32))
+            one(halves[0] * sc as f32, -(halves[1] * m as f32))
         }
         GgmlFormat::Q6_K => {
-            let d = half(&block[208..]);
             let sc = &block[192 + 8 * (k / 4) + 2 * (k % 4)..];
-            Piece { scales: [d * (sc[0] as i8) as f32, d * (sc[1] as i8) as f32], offset: 0.0 }
+            Piece { scales: [halves[0] * (sc[0] as i8) as f32, halves[0] * (sc[1] as i8) as f32], offset: 0.0 }
         }
-        _ => one(half(block), 0.0),
+        _ => one(halves[0], 0.0),
     }
 }
 
@@ -162,25 +171,28 @@ fn tree(a: [f32; 8]) -> f32 {
 }
 
 mod scalar {
-    use super::{has_offset, locate, piece, tree, GgmlFormat, Piece, Q8Block};
+    use super::{half, halves_at, has_offset, piece, pieces_per_block, tree, GgmlFormat, Piece, Q8Block};
 
-    pub fn dot_rows(format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        for (x, o) in inputs.iter().zip(out) {
-            let (mut acc, mut offsets) = ([0f32; 8], 0f32);
-            for (p, x) in x.iter().enumerate() {
-                let (block, k) = locate(format, row, p);
-                let w = codes(format, block, k);
-                let Piece { scales, offset } = piece(format, block, k);
-                let scaled = [scales[0] * x.d, scales[1] * x.d];
-                for (lane, a) in acc.iter_mut().enumerate() {
-                    let sum: i32 = (4 * lane..4 * lane + 4).map(|j| w[j] * i32::from(x.qs[j])).sum();
-                    *a += scaled[lane / 4] * sum as f32;
+    pub fn dot_rows(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        let (per_block, bytes, at) = (pieces_per_block(format), format.block_bytes(), halves_at(format));
+        for (row, out) in rows.iter().zip(out.chunks_exact_mut(inputs.len().max(1))) {
+            for (x, o) in inputs.iter().zip(out) {
+                let (mut acc, mut offsets) = ([0f32; 8], 0f32);
+                for (p, x) in x.iter().enumerate() {
+                    let (block, k) = (&row[p / per_block * bytes..][..bytes], p % per_block);
+                    let w = codes(format, block, k);
+                    let Piece { scales, offset } = piece(format, block, [half(&block[at[0]..]), half(&block[at[1]..])], k);
+                    let scaled = [scales[0] * x.d, scales[1] * x.d];
+                    for (lane, a) in acc.iter_mut().enumerate() {
+                        let sum: i32 = (4 * lane..4 * lane + 4).map(|j| w[j] * i32::from(x.qs[j])).sum();
+                        *a += scaled[lane / 4] * sum as f32;
+                    }
+                    if has_offset(format) {
+                        offsets += offset * x.sum;
+                    }
                 }
-                if has_offset(format) {
-                    offsets += offset * x.sum;
-                }
+                *o = tree(acc) + offsets;
             }
-            *o = tree(acc) + offsets;
         }
     }
 
@@ -227,61 +239,137 @@ mod scalar {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{has_offset, locate, piece, signed, GgmlFormat, Piece, Q8Block, FORMATS};
+    use super::{halves_at, has_offset, piece, pieces_per_block, signed, GgmlFormat, Piece, Q8Block, FORMATS};
 
-    /// Tokens that share one decoding of a weight piece (one accumulator register each).
-    const GROUP: usize = 4;
+    /// Weight rows that share each load of an input block when there are fewer tokens than
+    /// `TOKENS` (decode): one accumulator chain each, so the adds overlap.
+    const ROWS: usize = 4;
+    /// Tokens that share one decoding of a weight piece (prefill).
+    const TOKENS: usize = 4;
 
     /// # Safety
-    /// The CPU must support AVX2.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn dot_rows(format: GgmlFormat, row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        // One copy of the loop per format, its decoding resolved at compile time.
-        // SAFETY: AVX2, as this function.
+    /// The CPU must support AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn dot_rows(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        // One copy of the loops per format, its decoding resolved at compile time.
+        // SAFETY: AVX2 and F16C, as this function.
         unsafe {
             match FORMATS.iter().position(|&f| f == format) {
-                Some(0) => dot_rows_of::<0>(row, inputs, out),
-                Some(1) => dot_rows_of::<1>(row, inputs, out),
-                Some(2) => dot_rows_of::<2>(row, inputs, out),
-                Some(3) => dot_rows_of::<3>(row, inputs, out),
-                Some(4) => dot_rows_of::<4>(row, inputs, out),
-                _ => dot_rows_of::<5>(row, inputs, out),
+                Some(0) => rows_of::<0>(rows, inputs, out),
+                Some(1) => rows_of::<1>(rows, inputs, out),
+                Some(2) => rows_of::<2>(rows, inputs, out),
+                Some(3) => rows_of::<3>(rows, inputs, out),
+                Some(4) => rows_of::<4>(rows, inputs, out),
+                _ => rows_of::<5>(rows, inputs, out),
             }
         }
     }
 
-    #[target_feature(enable = "avx2")]
-    unsafe fn dot_rows_of<const F: usize>(row: &[u8], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    /// Splits rows × tokens into tiles: `ROWS` rows by one token when tokens are few, else one
+    /// row by `TOKENS` tokens; what is left over goes one by one.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn rows_of<const F: usize>(rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        let t = inputs.len();
+        if t < TOKENS {
+            for (i, x) in inputs.iter().enumerate() {
+                let x = std::slice::from_ref(x);
+                let mut r = 0;
+                while r + ROWS <= rows.len() {
+                    // SAFETY: AVX2 and F16C, as this function.
+                    let tile: [[f32; 1]; ROWS] = unsafe { tile::<F, ROWS, 1>(rows[r..r + ROWS].try_into().expect("ROWS rows"), x) };
+                    for (j, [v]) in tile.into_iter().enumerate() {
+                        out[(r + j) * t + i] = v;
+                    }
+                    r += ROWS;
+                }
+                for (j, row) in rows.iter().enumerate().skip(r) {
+                    // SAFETY: AVX2 and F16C, as this function.
+                    out[j * t + i] = unsafe { tile::<F, 1, 1>(&[row], x) }[0][0];
+                }
+            }
+        } else {
+            for (row, out) in rows.iter().zip(out.chunks_exact_mut(t)) {
+                let (grouped, rest) = (inputs.chunks_exact(TOKENS), inputs.chunks_exact(TOKENS).remainder());
+                for (x, o) in grouped.zip(out.chunks_exact_mut(TOKENS)) {
+                    // SAFETY: AVX2 and F16C, as this function.
+                    o.copy_from_slice(&unsafe { tile::<F, 1, TOKENS>(&[row], x) }[0]);
+                }
+                for (x, o) in rest.iter().zip(&mut out[t - rest.len()..]) {
+                    // SAFETY: AVX2 and F16C, as this function.
+                    *o = unsafe { tile::<F, 1, 1>(&[row], std::slice::from_ref(x)) }[0][0];
+                }
+            }
+        }
+    }
+
+    /// R rows times T tokens (`inputs.len()` = T), each product in its own accumulators. A
+    /// block's f16 fields are widened once for all its pieces.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn tile<const F: usize, const R: usize, const T: usize>(rows: &[&[u8]; R], inputs: &[Vec<Q8Block>]) -> [[f32; T]; R] {
         let format = FORMATS[F];
-        let (signed, offsets_too) = (signed(format), has_offset(format));
-        let pieces = inputs.first().map_or(0, Vec::len);
-        for (inputs, out) in inputs.chunks(GROUP).zip(out.chunks_mut(GROUP)) {
-            let mut acc = [_mm256_setzero_ps(); GROUP];
-            let mut offsets = [0f32; GROUP];
-            for p in 0..pieces {
-                let (block, k) = locate(format, row, p);
-                // SAFETY: AVX2, as this function; the block has its format's bytes.
-                let w = unsafe { codes(format, block, k) };
-                // maddubs multiplies unsigned by signed bytes: |w| by q with w's sign.
-                let magnitude = if signed { _mm256_sign_epi8(w, w) } else { w };
-                let Piece { scales, offset } = piece(format, block, k);
-                for (t, x) in inputs.iter().enumerate() {
-                    let x = &x[p];
+        let (signed, offsets_too, per_block, bytes, at) = (signed(format), has_offset(format), pieces_per_block(format), format.block_bytes(), halves_at(format));
+        let inputs: &[Vec<Q8Block>; T] = inputs.try_into().expect("T tokens");
+        let blocks = inputs[0].len() / per_block;
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut offsets = [[0f32; T]; R];
+        // Plain loops, not array::from_fn: closures would not inherit this function's target
+        // features and stay uninlined calls.
+        let mut block: [&[u8]; R] = [&[]; R];
+        let mut halves = [[0f32; 2]; R];
+        let mut q = [_mm256_setzero_si256(); T];
+        for b in 0..blocks {
+            for r in 0..R {
+                block[r] = &rows[r][b * bytes..][..bytes];
+                // SAFETY: F16C, as this function.
+                halves[r] = unsafe { widen(block[r], at) };
+            }
+            for k in 0..per_block {
+                let p = b * per_block + k;
+                for i in 0..T {
                     // SAFETY: `qs` is 32 bytes; unaligned load.
-                    let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
-                    let q = if signed { _mm256_sign_epi8(q, w) } else { q };
-                    let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1));
-                    let scale = _mm256_set_m128(_mm_set1_ps(scales[1] * x.d), _mm_set1_ps(scales[0] * x.d));
-                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes)));
-                    if offsets_too {
-                        offsets[t] += offset * x.sum;
+                    q[i] = unsafe { _mm256_loadu_si256(inputs[i][p].qs.as_ptr().cast()) };
+                }
+                for r in 0..R {
+                    // SAFETY: AVX2, as this function; the block has its format's bytes.
+                    let w = unsafe { codes(format, block[r], k) };
+                    // maddubs multiplies unsigned by signed bytes: |w| by q with w's sign.
+                    let magnitude = if signed { _mm256_sign_epi8(w, w) } else { w };
+                    let Piece { scales, offset } = piece(format, block[r], halves[r], k);
+                    for i in 0..T {
+                        let x = &inputs[i][p];
+                        let q = if signed { _mm256_sign_epi8(q[i], w) } else { q[i] };
+                        let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1));
+                        let scale = if format == GgmlFormat::Q6_K {
+                            _mm256_set_m128(_mm_set1_ps(scales[1] * x.d), _mm_set1_ps(scales[0] * x.d))
+                        } else {
+                            _mm256_set1_ps(scales[0] * x.d)
+                        };
+                        acc[r][i] = _mm256_add_ps(acc[r][i], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes)));
+                        if offsets_too {
+                            offsets[r][i] += offset * x.sum;
+                        }
                     }
                 }
             }
-            for (t, o) in out.iter_mut().enumerate() {
-                *o = horizontal(acc[t]) + offsets[t];
+        }
+        let mut out = [[0f32; T]; R];
+        for r in 0..R {
+            for i in 0..T {
+                // SAFETY: AVX, as this function.
+                out[r][i] = unsafe { horizontal(acc[r][i]) } + offsets[r][i];
             }
         }
+        out
+    }
+
+    /// A block's two f16 fields (at `at`), widened exactly by the F16C instruction.
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    unsafe fn widen(block: &[u8], at: [usize; 2]) -> [f32; 2] {
+        let field = |i: usize| i32::from(u16::from_le_bytes([block[i], block[i + 1]]));
+        let both = _mm_cvtph_ps(_mm_cvtsi32_si128(field(at[0]) | (field(at[1]) << 16)));
+        [_mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both))]
     }
 
     /// 32 bytes from `bytes` (unaligned).
@@ -434,7 +522,7 @@ mod tests {
                     .collect();
                 for kernel in kernels {
                     let mut together = vec![f32::NAN; 6];
-                    dot_rows(kernel, format, m.row_blocks(0), &inputs, &mut together);
+                    dot_rows(kernel, format, &[m.row_blocks(0)], &inputs, &mut together);
                     for (i, (x, q)) in xs.iter().zip(&inputs).enumerate() {
                         let want = dot(&w, x);
                         let bound: f32 = w.chunks_exact(Q8_BLOCK).zip(q).map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5).sum();
@@ -446,10 +534,43 @@ mod tests {
                         let exact = dot(&w, &rounded);
                         assert!((got - exact).abs() <= 1e-5 * magnitude, "{format:?} × {blocks} {kernel:?}: {got} vs {exact} on the rounded input");
                         let mut alone = [f32::NAN];
-                        dot_rows(kernel, format, m.row_blocks(0), std::slice::from_ref(q), &mut alone);
+                        dot_rows(kernel, format, &[m.row_blocks(0)], std::slice::from_ref(q), &mut alone);
                         let mut scalar = [f32::NAN];
-                        dot_rows(DotKernel::Scalar, format, m.row_blocks(0), std::slice::from_ref(q), &mut scalar);
+                        dot_rows(DotKernel::Scalar, format, &[m.row_blocks(0)], std::slice::from_ref(q), &mut scalar);
                         assert_eq!((alone[0].to_bits(), scalar[0].to_bits()), (got.to_bits(), got.to_bits()), "{format:?} × {blocks} {kernel:?} token {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Seven rows (a tile of four and three alone) times 1, 3 and 6 tokens (one by one, and a
+    /// group of four and two): every product has the bits of the scalar kernel's on that row
+    /// and token alone.
+    #[test]
+    fn tiles_of_rows_and_tokens_give_each_product_the_bits_it_has_alone() {
+        let mut rng = Rng::new(23);
+        for format in FORMATS {
+            let (rows, cols) = (7, 2 * format.block_size().max(64));
+            let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
+            let row_blocks: Vec<&[u8]> = (0..rows).map(|r| m.row_blocks(r)).collect();
+            for tokens in [1, 3, 6] {
+                let inputs: Vec<Vec<Q8Block>> = (0..tokens)
+                    .map(|_| {
+                        let mut q = Vec::new();
+                        quantize_input(&random(&mut rng, cols, 2.0), &mut q);
+                        q
+                    })
+                    .collect();
+                for kernel in [DotKernel::Scalar, DotKernel::detect()] {
+                    let mut out = vec![f32::NAN; rows * tokens];
+                    dot_rows(kernel, format, &row_blocks, &inputs, &mut out);
+                    for (r, row) in row_blocks.iter().enumerate() {
+                        for (i, x) in inputs.iter().enumerate() {
+                            let mut alone = [f32::NAN];
+                            dot_rows(DotKernel::Scalar, format, &[row], std::slice::from_ref(x), &mut alone);
+                            assert_eq!(out[r * tokens + i].to_bits(), alone[0].to_bits(), "{format:?} {kernel:?} row {r} token {i} of {tokens}");
+                        }
                     }
                 }
             }
@@ -468,7 +589,7 @@ mod tests {
         let want = 16.0 * (-128.0 * 127.0) + 16.0 * (127.0 * 127.0);
         for k in [DotKernel::Scalar, DotKernel::detect()] {
             let mut out = [f32::NAN];
-            dot_rows(k, GgmlFormat::Q8_0, &block, &[vec![x]], &mut out);
+            dot_rows(k, GgmlFormat::Q8_0, &[&block], &[vec![x]], &mut out);
             assert_eq!(out[0], want, "{k:?}");
         }
     }

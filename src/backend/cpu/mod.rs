@@ -341,11 +341,13 @@ impl Backend for CpuBackend {
                 .collect();
             self.pool.install(|| {
                 out_t.par_chunks_mut(t * 16).enumerate().for_each(|(chunk, out)| {
-                    for (i, o) in out.chunks_exact_mut(t).enumerate() {
+                    let mut blocks: [&[u8]; 16] = [&[]; 16];
+                    let count = out.len() / t;
+                    for (i, b) in blocks[..count].iter_mut().enumerate() {
                         let row = chunk * 16 + i;
-                        let blocks = matrix.row_blocks(rows.map_or(row, |r| r[row]));
-                        q8dot::dot_rows(kernel, matrix.format(), blocks, &inputs, o);
+                        *b = matrix.row_blocks(rows.map_or(row, |r| r[row]));
                     }
+                    q8dot::dot_rows(kernel, matrix.format(), &blocks[..count], &inputs, out);
                 })
             });
         } else {
