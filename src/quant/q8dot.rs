@@ -321,6 +321,12 @@ mod avx2 {
         for b in 0..blocks {
             for r in 0..R {
                 block[r] = &rows[r][b * bytes..][..bytes];
+                if T == 1 {
+                    // Decode reads each row once: the rows two tiles on (in a matrix's usual
+                    // layout) are fetched while these are summed, as rows are too short for the
+                    // hardware to see a stream. (Prefill reuses a row from L1 for every token.)
+                    _mm_prefetch::<_MM_HINT_T0>(block[r].as_ptr().wrapping_add(2 * R * rows[r].len()).cast());
+                }
                 // SAFETY: F16C, as this function.
                 halves[r] = unsafe { widen(block[r], at) };
             }
