@@ -101,9 +101,10 @@ const char *atlas_version(void);
 // unknown keys are an error. `draft_p_min`: the least probability of a token the model's own
 // drafting head guesses (default 0.75); `parallel`: requests decoded at once (0 or absent: as
 // the device memory allows; 1 on the CPU); `prefill_chunk`: prompt positions read per step
-// while others decode (default 512; 0: all); `cpu_kernels`: "reference" (f32, the default),
-// "auto" (integer dot products for GGUF block weights on the CPU, faster, inputs rounded to 8
-// bits) or "scalar" (the same integer sums in plain code).
+// while others decode (default 512; 0: all); `cpu_kernels`: "auto" (the default: integer dot
+// products for GGUF block weights on the CPU, inputs rounded to 8 bits, as llama.cpp), "avx2"
+// (those sums without AVX-512 VNNI), "scalar" (the same sums in plain code) or "reference"
+// (every weight widened to f32, slower).
 // On success `*out_model` holds the handle (release it with atlas_unload).
 //
 // # Safety

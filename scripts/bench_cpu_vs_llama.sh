@@ -4,7 +4,7 @@
 # default model: pp128, tg64) and a Qwen3-0.6B-shaped random BF16 GGUF quantised by llama-quantize
 # to Q8_0 and Q4_K_M (pp512, tg128). Each run's peak RSS comes from /usr/bin/time. The machine is
 # noisy: compare the two engines' ratios from one run, not absolute numbers across runs. Atlas
-# runs with --cpu-kernels auto (its integer kernels; the default is the f32 reference).
+# runs with --cpu-kernels auto (its integer kernels, the default; `reference` is the f32 oracle).
 #
 # The 0.6B file: ../shared/tools/make_random_qwen3_gguf.py OUT 1024 3072 28 16 8 151936 (gguf-py
 # from the llama.cpp tree on PYTHONPATH). llama.cpp CPU-only: cmake -DGGML_CUDA=OFF, targets

@@ -9,7 +9,7 @@
 #      zip's own cmake/ package (cmake/mingw-w64-x86_64.cmake is the toolchain file), its ctest run
 #      under wine, then again on a model at a Windows path with spaces and non-ASCII characters;
 #      and what the zip's AtlasConfig.cmake resolves for a non-MinGW (MSVC) Windows build
-#   5. the zip's atlas.exe answering "What is the capital of France?" with the default model from
+#   5. the zip's atlas.exe answering "What is the capital of France? Answer in one word." with the default model from
 #      %LOCALAPPDATA%\atlas, then with --model at a path with spaces and non-ASCII characters
 #   6. the HIP runtime search: a stub amdhip64_6.dll (tests/windows/hip_stub.c) that finds no GPU,
 #      on PATH, in %HIP_PATH%\bin, in the current directory only, behind a relative PATH entry
@@ -227,7 +227,7 @@ step "atlas run under wine"
 ask() { # ask LABEL ARGS...: the France question; the answer must name Paris
     local label=$1
     shift
-    "$wine" "$pkg/atlas.exe" run "$@" --max-tokens 24 "What is the capital of France?" >"$work/answer.txt" 2>"$work/answer.err" ||
+    "$wine" "$pkg/atlas.exe" run "$@" --max-tokens 24 "What is the capital of France? Answer in one word." >"$work/answer.txt" 2>"$work/answer.err" ||
         die "$label: $(cat "$work/answer.err")"
     grep -q Paris "$work/answer.txt" || die "$label: no Paris in $(cat "$work/answer.txt")"
     say "$label: $(tr -d '\r' <"$work/answer.txt" | head -n1) [$(grep -m1 '^loaded' "$work/answer.err" | tr -d '\r')]"

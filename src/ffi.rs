@@ -191,7 +191,7 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         parallel: uint("parallel")?.unwrap_or(0),
         prefill_chunk: uint("prefill_chunk")?.unwrap_or(DEFAULT_PREFILL_CHUNK),
         cpu_kernels: match obj.get("cpu_kernels") {
-            None | Some(Value::Null) => CpuKernels::Reference,
+            None | Some(Value::Null) => CpuKernels::Auto,
             Some(Value::String(s)) => s.parse()?,
             Some(_) => return Err(Error::InvalidArgument("option cpu_kernels must be a string".into())),
         },
@@ -218,9 +218,10 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 /// unknown keys are an error. `draft_p_min`: the least probability of a token the model's own
 /// drafting head guesses (default 0.75); `parallel`: requests decoded at once (0 or absent: as
 /// the device memory allows; 1 on the CPU); `prefill_chunk`: prompt positions read per step
-/// while others decode (default 512; 0: all); `cpu_kernels`: "reference" (f32, the default),
-/// "auto" (integer dot products for GGUF block weights on the CPU, faster, inputs rounded to 8
-/// bits) or "scalar" (the same integer sums in plain code).
+/// while others decode (default 512; 0: all); `cpu_kernels`: "auto" (the default: integer dot
+/// products for GGUF block weights on the CPU, inputs rounded to 8 bits, as llama.cpp), "avx2"
+/// (those sums without AVX-512 VNNI), "scalar" (the same sums in plain code) or "reference"
+/// (every weight widened to f32, slower).
 /// On success `*out_model` holds the handle (release it with atlas_unload).
 ///
 /// # Safety
@@ -391,8 +392,8 @@ mod tests {
         assert_eq!(parse_options(r#"{"model": "m", "prefill_chunk": 0}"#).unwrap().engine.prefill_chunk, 0);
         assert_eq!(opts.engine.draft_p_min, DEFAULT_DRAFT_P_MIN);
         assert_eq!(parse_options(r#"{"model": "m", "draft_p_min": 0.5}"#).unwrap().engine.draft_p_min, 0.5);
-        assert_eq!(opts.engine.cpu_kernels, CpuKernels::Reference);
-        assert_eq!(parse_options(r#"{"model": "m", "cpu_kernels": "auto"}"#).unwrap().engine.cpu_kernels, CpuKernels::Auto);
+        assert_eq!(opts.engine.cpu_kernels, CpuKernels::Auto);
+        assert_eq!(parse_options(r#"{"model": "m", "cpu_kernels": "reference"}"#).unwrap().engine.cpu_kernels, CpuKernels::Reference);
         for bad in [
             r#"{"model": 1}"#,
             r#"{"model": "m", "ctx_size": "big"}"#,

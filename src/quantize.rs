@@ -329,7 +329,7 @@ fn nvfp4_target(name: &str, shape: &[usize]) -> bool {
     let Some(module) = name.strip_suffix(".weight") else { return false };
     let last = module.rsplit('.').next().unwrap_or("");
     shape.len() == 2
-        && shape[1] % 16 == 0
+        && shape[1].is_multiple_of(16)
         && PROJECTIONS.contains(&last)
         && !["linear_attn.", "visual.", "mtp."].iter().any(|p| name.contains(p))
 }

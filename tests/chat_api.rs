@@ -181,7 +181,7 @@ fn four_threads_share_one_model() {
     let handle = Handle(model);
     let req = |i: usize| {
         json!({"messages": [{"role": "user", "content": format!("question {i}")}], "temperature": 0.8,
-               "seed": i, "max_tokens": 12, "stream": i % 2 == 0})
+               "seed": i, "max_tokens": 12, "stream": i.is_multiple_of(2)})
         .to_string()
     };
     let expected: Vec<Value> = (0..12).map(|i| ffi_chat(handle.0, &req(i)).1.unwrap()["choices"].clone()).collect();

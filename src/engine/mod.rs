@@ -81,9 +81,8 @@ pub struct EngineOptions {
     /// one) reads at most: a longer prompt takes several steps, and the others' decode steps run
     /// between them, so their streams keep flowing while it is read. 0: a prompt in one step.
     pub prefill_chunk: usize,
-    /// How the CPU multiplies block-format weights (ignored on a GPU). Default: the f32
-    /// reference; `Auto`'s integer kernels are faster but round every input to 8 bits, which
-    /// changes some of the default model's answers (see README).
+    /// How the CPU multiplies block-format weights (ignored on a GPU). Default: `Auto`, the
+    /// integer kernels (inputs rounded to 8 bits, as llama.cpp).
     pub cpu_kernels: CpuKernels,
 }
 
@@ -101,7 +100,7 @@ pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK, cpu_kernels: CpuKernels::Reference }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK, cpu_kernels: CpuKernels::Auto }
     }
 }
 

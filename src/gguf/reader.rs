@@ -769,7 +769,7 @@ mod tests {
         b.extend(3u64.to_le_bytes());
         b.extend(0u32.to_le_bytes());
         b.extend(0u64.to_le_bytes());
-        while b.len() % 32 != 0 {
+        while !b.len().is_multiple_of(32) {
             b.push(0);
         }
         for i in 0..6 {

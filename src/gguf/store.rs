@@ -110,7 +110,7 @@ fn expert_half(gguf: &str) -> Option<(&str, bool)> {
 /// `[head_dim/2, 2]`: GGUF row `h*hd + 2*j + i` holds Hugging Face row `h*hd + i*hd/2 + j`.
 /// Returns, for each Hugging Face row, the GGUF row it is read from.
 pub fn unpermute_rows(rows: usize, n_heads: usize) -> Option<Vec<usize>> {
-    if n_heads == 0 || rows % n_heads != 0 || (rows / n_heads) % 2 != 0 {
+    if n_heads == 0 || !rows.is_multiple_of(n_heads) || !(rows / n_heads).is_multiple_of(2) {
         return None;
     }
     let head_dim = rows / n_heads;
@@ -132,7 +132,7 @@ pub fn unpermute_rows(rows: usize, n_heads: usize) -> Option<Vec<usize>> {
 /// them (`[v0 of k0, v0 of k1, ..., v1 of k0, ...]`), so GGUF head `j * key_heads + g` holds
 /// Hugging Face head `g * r + j`. Returns, for each Hugging Face head, the GGUF head it is read from.
 pub fn untile_value_heads(key_heads: usize, value_heads: usize) -> Option<Vec<usize>> {
-    if key_heads == 0 || value_heads % key_heads != 0 {
+    if key_heads == 0 || !value_heads.is_multiple_of(key_heads) {
         return None;
     }
     let per_key = value_heads / key_heads;
@@ -530,7 +530,7 @@ impl GgufStore {
         let src = order.expand();
         let ty = t.ggml_type;
         let (bs, bb) = (ty.block_size() as usize, ty.block_bytes() as usize);
-        if order.fixed % bs == 0 && order.size % bs == 0 {
+        if order.fixed.is_multiple_of(bs) && order.size.is_multiple_of(bs) {
             let row_bytes = raw.len() / rows;
             // Where each block of a Hugging Face row starts in the file's row.
             let blocks: Vec<usize> = src.iter().step_by(bs).map(|&c| c / bs * bb).collect();

@@ -117,7 +117,7 @@ pub fn write_gguf(path: &Path, metadata: &[(String, MetaValue)], tensors: &[Tens
     for t in tensors {
         let elements: u64 = t.dims.iter().product();
         let expected = elements / t.ggml_type.block_size() * t.ggml_type.block_bytes();
-        if elements % t.ggml_type.block_size() != 0 || t.data.len() as u64 != expected {
+        if !elements.is_multiple_of(t.ggml_type.block_size()) || t.data.len() as u64 != expected {
             return Err(Error::InvalidArgument(format!(
                 "tensor {}: {} bytes of {} for dims {:?}",
                 t.name,

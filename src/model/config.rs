@@ -332,7 +332,7 @@ impl ModelConfig {
                 )));
             }
         }
-        if self.rotary_dim == 0 || self.rotary_dim > self.head_dim || self.rotary_dim % 2 != 0 {
+        if self.rotary_dim == 0 || self.rotary_dim > self.head_dim || !self.rotary_dim.is_multiple_of(2) {
             return Err(Error::InvalidArgument(format!("rotary dimensions {} for head_dim {}", self.rotary_dim, self.head_dim)));
         }
         // Within the limits these cannot overflow a 64-bit usize, but they size whole matrices

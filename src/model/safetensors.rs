@@ -189,7 +189,7 @@ impl SafetensorsStore {
         } else {
             return Ok(None);
         };
-        if cols % 16 != 0 {
+        if !cols.is_multiple_of(16) {
             return Err(Error::bad_tensor(name, format!("NVFP4 rows of {cols} values are not whole groups of 16")));
         }
         let bytes_of = |tensor: &str, dtype: Dtype, shape: [usize; 2]| -> Result<Vec<u8>> {

@@ -72,7 +72,7 @@ impl std::fmt::Debug for Nvfp4Matrix {
 impl Nvfp4Matrix {
     /// `codes`: `rows * cols / 2` bytes; `scales`: `rows * cols / 16` E4M3 bytes.
     pub fn new(rows: usize, cols: usize, codes: Vec<u8>, scales: Vec<u8>, factor: f32) -> Result<Self, String> {
-        if cols % 16 != 0 {
+        if !cols.is_multiple_of(16) {
             return Err(format!("NVFP4 rows of {cols} values are not whole groups of 16"));
         }
         let want = (rows.checked_mul(cols / 2), rows.checked_mul(cols / 16));

@@ -44,7 +44,7 @@ impl Fp8BlockMatrix {
 /// multiples of 128 rows); None otherwise.
 pub fn select_row_blocks(codes: &[u8], scales: &[f32], cols: usize, rows: &[usize]) -> Option<Fp8BlockMatrix> {
     let total_rows = codes.len() / cols.max(1);
-    let aligned = rows.len() % FP8_BLOCK == 0
+    let aligned = rows.len().is_multiple_of(FP8_BLOCK)
         && rows.chunks_exact(FP8_BLOCK).all(|b| b[0] % FP8_BLOCK == 0 && b.iter().enumerate().all(|(i, &r)| r == b[0] + i))
         && rows.iter().all(|&r| r < total_rows);
     if !aligned {

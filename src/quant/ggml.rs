@@ -140,7 +140,7 @@ impl GgmlFormat {
 
     /// Bytes of one row of `cols` elements; `None` unless `cols` is a whole number of blocks.
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        if cols % self.block_size() != 0 {
+        if !cols.is_multiple_of(self.block_size()) {
             return None;
         }
         (cols / self.block_size()).checked_mul(self.block_bytes())
@@ -150,7 +150,7 @@ impl GgmlFormat {
     pub fn dequant_blocks(self, blocks: &[u8], out: &mut [f32]) {
         let (bs, bb) = (self.block_size(), self.block_bytes());
         assert!(
-            blocks.len() % bb == 0 && out.len() == blocks.len() / bb * bs,
+            blocks.len().is_multiple_of(bb) && out.len() == blocks.len() / bb * bs,
             "{}: {} bytes do not decode into {} values",
             self.name(),
             blocks.len(),
@@ -194,7 +194,7 @@ impl GgmlFormat {
     /// as the ROCmFPX fork does (fp4::rocmfp4_quantize).
     pub fn quantize_row(self, x: &[f32]) -> Option<Vec<u8>> {
         let bs = self.block_size();
-        if x.len() % bs != 0 || !GgmlFormat::WRITABLE.contains(&self) {
+        if !x.len().is_multiple_of(bs) || !GgmlFormat::WRITABLE.contains(&self) {
             return None;
         }
         let mut out = Vec::with_capacity(x.len() / bs * self.block_bytes());

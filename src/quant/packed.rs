@@ -79,7 +79,7 @@ pub fn plane_offsets(format: GgmlFormat, rows: usize, cols: usize) -> Option<(us
 
 /// Whether a matrix of `cols` values a row can be packed: whole runs, and whole meta groups.
 fn packable(format: GgmlFormat, cols: usize) -> bool {
-    cols > 0 && cols % (RUN * meta_group(format).0) == 0
+    cols > 0 && cols.is_multiple_of(RUN * meta_group(format).0)
 }
 
 /// One run's scale and offset for its first and its last 16 values.
@@ -333,7 +333,7 @@ impl PackedMatrix {
                 meta.extend_from_slice(&s[2 * run..2 * run + 2]);
                 runs.push(std::array::from_fn(|i| {
                     let v = RUN * run + i;
-                    if v % 2 == 0 { c[v / 2] & 0x0F } else { c[v / 2] >> 4 }
+                    if v.is_multiple_of(2) { c[v / 2] & 0x0F } else { c[v / 2] >> 4 }
                 }));
             }
         })

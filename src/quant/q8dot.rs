@@ -1,11 +1,12 @@
 //! The CPU's fast products for block formats: the input is quantised once to 8 bits in blocks of
 //! 32 values (a scale each, and the scaled sum of its codes, as ggml's Q8_1), and each 32-value
 //! piece of a weight row meets its input block in exact integer sums. A piece gives eight partial
-//! sums (four products each, the lanes of an AVX2 register), scaled and added in f32 into eight
-//! accumulators, which meet in a fixed tree at the end of the row; formats with an offset (Q4_1's
-//! m, the k-quants' minimums) add it times the input block's sum. The scalar kernel does the same
-//! arithmetic in the same order, so both give the same bits (tested). Several tokens share each
-//! piece's decoding (prefill). The f32 reference (`QuantMatrix::dequant_row` and `quant::dot`)
+//! sums (four products each, the lanes of an AVX2 register), scaled and added in f32 (one fused
+//! multiply-add) into eight accumulators, which meet in a fixed tree at the end of the row;
+//! formats with an offset (Q4_1's m, the k-quants' minimums) add it times the input block's sum.
+//! The scalar and SIMD kernels (AVX2's byte multiplies, AVX-512 VNNI's dot instructions) do the
+//! same arithmetic in the same order, so all give the same bits (tested). Several rows share each
+//! load of an input block and several tokens each piece's decoding (tiles). The f32 reference (`QuantMatrix::dequant_row` and `quant::dot`)
 //! stays the oracle these are held to.
 //!
 //! Pieces of ggml's layouts (value = scale · code + offset): Q8_0 = f16 d, 32 × i8 codes;
@@ -46,28 +47,42 @@ pub fn quantize_input(x: &[f32], out: &mut Vec<Q8Block>) {
     }));
 }
 
-/// Which implementation computes the integer sums.
+/// Which implementation computes the integer sums (all give the same bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DotKernel {
     Scalar,
-    /// x86-64 with AVX2 and F16C (checked at run time).
+    /// x86-64 with AVX2, F16C and FMA (checked at run time).
     Avx2,
+    /// x86-64 with AVX-512 VNNI and VL besides: `vpdpbusd` on 256-bit registers, 32 of them, so
+    /// prefill tiles are four rows by four tokens.
+    Avx512Vnni,
 }
 
 impl DotKernel {
     /// The fastest kernel this CPU runs.
     pub fn detect() -> Self {
+        *Self::available().last().expect("the scalar kernel runs everywhere")
+    }
+
+    /// Every kernel this CPU runs, slowest first.
+    pub fn available() -> Vec<Self> {
+        let mut kernels = vec![DotKernel::Scalar];
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
-            return DotKernel::Avx2;
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("fma") {
+            kernels.push(DotKernel::Avx2);
+            let vnni = std::arch::is_x86_feature_detected!("avx512vnni");
+            if vnni && std::arch::is_x86_feature_detected!("avx512vl") && std::arch::is_x86_feature_detected!("avx512f") {
+                kernels.push(DotKernel::Avx512Vnni);
+            }
         }
-        DotKernel::Scalar
+        kernels
     }
 
     pub fn name(self) -> &'static str {
         match self {
             DotKernel::Scalar => "scalar",
             DotKernel::Avx2 => "avx2",
+            DotKernel::Avx512Vnni => "avx512-vnni",
         }
     }
 }
@@ -90,10 +105,13 @@ pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, rows: &[&[u8]], inputs: &
     match kernel {
         DotKernel::Scalar => scalar::dot_rows(format, rows, inputs, out),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: DotKernel::Avx2 is only chosen where AVX2 and F16C are detected.
-        DotKernel::Avx2 => unsafe { avx2::dot_rows(format, rows, inputs, out) },
+        // SAFETY: DotKernel::Avx2 is only chosen where AVX2, F16C and FMA are detected.
+        DotKernel::Avx2 => unsafe { x86::dot_rows_avx2(format, rows, inputs, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: DotKernel::Avx512Vnni is only chosen where all its features are detected.
+        DotKernel::Avx512Vnni => unsafe { x86::dot_rows_vnni(format, rows, inputs, out) },
         #[cfg(not(target_arch = "x86_64"))]
-        DotKernel::Avx2 => scalar::dot_rows(format, rows, inputs, out),
+        DotKernel::Avx2 | DotKernel::Avx512Vnni => scalar::dot_rows(format, rows, inputs, out),
     }
 }
 
@@ -185,7 +203,7 @@ mod scalar {
                     let scaled = [scales[0] * x.d, scales[1] * x.d];
                     for (lane, a) in acc.iter_mut().enumerate() {
                         let sum: i32 = (4 * lane..4 * lane + 4).map(|j| w[j] * i32::from(x.qs[j])).sum();
-                        *a += scaled[lane / 4] * sum as f32;
+                        *a = scaled[lane / 4].mul_add(sum as f32, *a);
                     }
                     if has_offset(format) {
                         offsets += offset * x.sum;
@@ -216,7 +234,7 @@ mod scalar {
                 let (qs, qh) = if format == GgmlFormat::Q4_K { (&block[16..144], None) } else { (&block[48..176], Some(&block[16..48])) };
                 for (l, w) in w.iter_mut().enumerate() {
                     let byte = qs[32 * (k / 2) + l];
-                    let nibble = if k % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let nibble = if k.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
                     let fifth = qh.map_or(0, |qh| ((qh[l] >> k) & 1) << 4);
                     *w = i32::from(nibble | fifth);
                 }
@@ -236,88 +254,115 @@ mod scalar {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use std::arch::x86_64::*;
 
     use super::{halves_at, has_offset, piece, pieces_per_block, signed, GgmlFormat, Piece, Q8Block, FORMATS};
 
-    /// Weight rows that share each load of an input block when there are fewer tokens than
-    /// `TOKENS` (decode): one accumulator chain each, so the adds overlap.
+    /// Weight rows that share each load of an input block (with VNNI always, with plain AVX2 in
+    /// decode): one accumulator chain each, so the adds overlap.
     const ROWS: usize = 4;
     /// Tokens that share one decoding of a weight piece (prefill).
     const TOKENS: usize = 4;
 
     /// # Safety
-    /// The CPU must support AVX2 and F16C.
-    #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot_rows(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        // One copy of the loops per format, its decoding resolved at compile time.
+    /// The CPU must support AVX2, F16C and FMA.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub unsafe fn dot_rows_avx2(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        // One copy of the loops per format, its decoding resolved at compile time. Sixteen
+        // registers hold a tile of one row by four tokens in prefill, four rows by one in decode.
         // SAFETY: AVX2 and F16C, as this function.
         unsafe {
             match FORMATS.iter().position(|&f| f == format) {
-                Some(0) => rows_of::<0>(rows, inputs, out),
-                Some(1) => rows_of::<1>(rows, inputs, out),
-                Some(2) => rows_of::<2>(rows, inputs, out),
-                Some(3) => rows_of::<3>(rows, inputs, out),
-                Some(4) => rows_of::<4>(rows, inputs, out),
-                _ => rows_of::<5>(rows, inputs, out),
+                Some(0) => grid::<0, false>(rows, inputs, out),
+                Some(1) => grid::<1, false>(rows, inputs, out),
+                Some(2) => grid::<2, false>(rows, inputs, out),
+                Some(3) => grid::<3, false>(rows, inputs, out),
+                Some(4) => grid::<4, false>(rows, inputs, out),
+                _ => grid::<5, false>(rows, inputs, out),
             }
         }
     }
 
-    /// Splits rows × tokens into tiles: `ROWS` rows by one token when tokens are few, else one
-    /// row by `TOKENS` tokens; what is left over goes one by one.
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn rows_of<const F: usize>(rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    /// # Safety
+    /// The CPU must support AVX2, F16C, FMA, AVX-512 F and VL, and AVX-512 VNNI.
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn dot_rows_vnni(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        // As dot_rows_avx2; 32 registers hold a tile of four rows by four tokens.
+        // SAFETY: the features of this function, which grid's inlined body uses.
+        unsafe {
+            match FORMATS.iter().position(|&f| f == format) {
+                Some(0) => grid::<0, true>(rows, inputs, out),
+                Some(1) => grid::<1, true>(rows, inputs, out),
+                Some(2) => grid::<2, true>(rows, inputs, out),
+                Some(3) => grid::<3, true>(rows, inputs, out),
+                Some(4) => grid::<4, true>(rows, inputs, out),
+                _ => grid::<5, true>(rows, inputs, out),
+            }
+        }
+    }
+
+    /// Cuts rows × tokens into tiles: `ROWS` rows (one with plain AVX2 in prefill) by `TOKENS`
+    /// tokens, or by one token in decode; rows and tokens left over go in thinner tiles.
+    /// Inlined into the callers above, whose target features its intrinsics need (a function
+    /// with target features cannot be inlined, nor generic over them).
+    #[inline(always)]
+    unsafe fn grid<const F: usize, const VNNI: bool>(rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         let t = inputs.len();
-        if t < TOKENS {
-            for (i, x) in inputs.iter().enumerate() {
-                let x = std::slice::from_ref(x);
-                let mut r = 0;
-                while r + ROWS <= rows.len() {
-                    // SAFETY: AVX2 and F16C, as this function.
-                    let tile: [[f32; 1]; ROWS] = unsafe { tile::<F, ROWS, 1>(rows[r..r + ROWS].try_into().expect("ROWS rows"), x) };
-                    for (j, [v]) in tile.into_iter().enumerate() {
-                        out[(r + j) * t + i] = v;
+        let token_groups = if t < TOKENS { 0 } else { t / TOKENS };
+        let row_tile = if VNNI || token_groups == 0 { ROWS } else { 1 };
+        // (first token, tokens) of each tile along a band of rows.
+        let groups = (0..token_groups).map(|g| (g * TOKENS, TOKENS)).chain((token_groups * TOKENS..t).map(|i| (i, 1)));
+        let mut r = 0;
+        while r < rows.len() {
+            let band = if r + row_tile <= rows.len() { row_tile } else { 1 };
+            for (first, width) in groups.clone() {
+                let x = &inputs[first..][..width];
+                let mut values = [0f32; ROWS * TOKENS];
+                let values = &mut values[..band * width];
+                // SAFETY: the caller's target features, which tile's inlined body uses.
+                unsafe {
+                    match (band, width) {
+                        (ROWS, TOKENS) => values.copy_from_slice(tile::<F, VNNI, ROWS, TOKENS>(&rows[r..], x).as_flattened()),
+                        (ROWS, _) => values.copy_from_slice(tile::<F, VNNI, ROWS, 1>(&rows[r..], x).as_flattened()),
+                        (_, TOKENS) => values.copy_from_slice(tile::<F, VNNI, 1, TOKENS>(&rows[r..], x).as_flattened()),
+                        _ => values.copy_from_slice(tile::<F, VNNI, 1, 1>(&rows[r..], x).as_flattened()),
                     }
-                    r += ROWS;
                 }
-                for (j, row) in rows.iter().enumerate().skip(r) {
-                    // SAFETY: AVX2 and F16C, as this function.
-                    out[j * t + i] = unsafe { tile::<F, 1, 1>(&[row], x) }[0][0];
+                for (j, v) in values.chunks_exact(width).enumerate() {
+                    out[(r + j) * t + first..][..width].copy_from_slice(v);
                 }
             }
-        } else {
-            for (row, out) in rows.iter().zip(out.chunks_exact_mut(t)) {
-                let (grouped, rest) = (inputs.chunks_exact(TOKENS), inputs.chunks_exact(TOKENS).remainder());
-                for (x, o) in grouped.zip(out.chunks_exact_mut(TOKENS)) {
-                    // SAFETY: AVX2 and F16C, as this function.
-                    o.copy_from_slice(&unsafe { tile::<F, 1, TOKENS>(&[row], x) }[0]);
-                }
-                for (x, o) in rest.iter().zip(&mut out[t - rest.len()..]) {
-                    // SAFETY: AVX2 and F16C, as this function.
-                    *o = unsafe { tile::<F, 1, 1>(&[row], std::slice::from_ref(x)) }[0][0];
-                }
-            }
+            r += band;
         }
     }
 
-    /// R rows times T tokens (`inputs.len()` = T), each product in its own accumulators. A
-    /// block's f16 fields are widened once for all its pieces.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn tile<const F: usize, const R: usize, const T: usize>(rows: &[&[u8]; R], inputs: &[Vec<Q8Block>]) -> [[f32; T]; R] {
+    /// The first R rows of `rows` times T tokens (`inputs.len()` = T), each product in its own
+    /// accumulators. A block's f16 fields are widened once for all its pieces. With VNNI the
+    /// codes are biased to unsigned bytes for `dpbusd`, which starts from −bias · Σ input codes
+    /// so that the lanes hold exactly the sums the sign trick of plain AVX2 gives.
+    #[inline(always)]
+    unsafe fn tile<const F: usize, const VNNI: bool, const R: usize, const T: usize>(rows: &[&[u8]], inputs: &[Vec<Q8Block>]) -> [[f32; T]; R] {
         let format = FORMATS[F];
         let (signed, offsets_too, per_block, bytes, at) = (signed(format), has_offset(format), pieces_per_block(format), format.block_bytes(), halves_at(format));
         let inputs: &[Vec<Q8Block>; T] = inputs.try_into().expect("T tokens");
         let blocks = inputs[0].len() / per_block;
+        let bias_shift = match format {
+            GgmlFormat::Q8_0 => 7,
+            GgmlFormat::Q4_0 => 3,
+            _ => 5,
+        };
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut offsets = [[0f32; T]; R];
-        // Plain loops, not array::from_fn: closures would not inherit this function's target
+        // Each row's offsets for the T tokens, one lane a token (T ≤ 4).
+        let mut offsets = [_mm_setzero_ps(); R];
+        // Plain loops, not array::from_fn: closures would not inherit the caller's target
         // features and stay uninlined calls.
         let mut block: [&[u8]; R] = [&[]; R];
         let mut halves = [[0f32; 2]; R];
         let mut q = [_mm256_setzero_si256(); T];
+        let mut start = [_mm256_setzero_si256(); T];
+        let mut input_scale = [_mm256_setzero_ps(); T];
+        let mut input_sums = [0f32; 4];
         for b in 0..blocks {
             for r in 0..R {
                 block[r] = &rows[r][b * bytes..][..bytes];
@@ -327,43 +372,57 @@ mod avx2 {
                     // hardware to see a stream. (Prefill reuses a row from L1 for every token.)
                     _mm_prefetch::<_MM_HINT_T0>(block[r].as_ptr().wrapping_add(2 * R * rows[r].len()).cast());
                 }
-                // SAFETY: F16C, as this function.
+                // SAFETY: F16C, as the caller.
                 halves[r] = unsafe { widen(block[r], at) };
             }
             for k in 0..per_block {
                 let p = b * per_block + k;
                 for i in 0..T {
+                    let x = &inputs[i][p];
                     // SAFETY: `qs` is 32 bytes; unaligned load.
-                    q[i] = unsafe { _mm256_loadu_si256(inputs[i][p].qs.as_ptr().cast()) };
+                    q[i] = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+                    input_scale[i] = _mm256_set1_ps(x.d);
+                    input_sums[i] = x.sum;
+                    if VNNI && signed {
+                        // SAFETY: AVX-512 VNNI and VL, as the caller.
+                        let lane_sums = unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q[i]) };
+                        start[i] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_sll_epi32(lane_sums, _mm_cvtsi32_si128(bias_shift)));
+                    }
                 }
                 for r in 0..R {
-                    // SAFETY: AVX2, as this function; the block has its format's bytes.
-                    let w = unsafe { codes(format, block[r], k) };
+                    // SAFETY: AVX2, as the caller; the block has its format's bytes.
+                    let w = unsafe { codes::<VNNI>(format, block[r], k) };
                     // maddubs multiplies unsigned by signed bytes: |w| by q with w's sign.
-                    let magnitude = if signed { _mm256_sign_epi8(w, w) } else { w };
+                    let magnitude = if signed && !VNNI { _mm256_sign_epi8(w, w) } else { w };
                     let Piece { scales, offset } = piece(format, block[r], halves[r], k);
+                    let row_scale = _mm256_set_m128(_mm_set1_ps(scales[1]), _mm_set1_ps(scales[0]));
                     for i in 0..T {
-                        let x = &inputs[i][p];
-                        let q = if signed { _mm256_sign_epi8(q[i], w) } else { q[i] };
-                        let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1));
-                        let scale = if format == GgmlFormat::Q6_K {
-                            _mm256_set_m128(_mm_set1_ps(scales[1] * x.d), _mm_set1_ps(scales[0] * x.d))
+                        let lanes = if VNNI {
+                            // SAFETY: AVX-512 VNNI and VL, as the caller.
+                            unsafe { _mm256_dpbusd_epi32(start[i], w, q[i]) }
                         } else {
-                            _mm256_set1_ps(scales[0] * x.d)
+                            let q = if signed { _mm256_sign_epi8(q[i], w) } else { q[i] };
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1))
                         };
-                        acc[r][i] = _mm256_add_ps(acc[r][i], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes)));
-                        if offsets_too {
-                            offsets[r][i] += offset * x.sum;
-                        }
+                        let scale = _mm256_mul_ps(row_scale, input_scale[i]);
+                        // SAFETY: FMA, as the caller.
+                        acc[r][i] = unsafe { _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes), acc[r][i]) };
+                    }
+                    if offsets_too {
+                        let sums = _mm_loadu_ps(input_sums.as_ptr());
+                        offsets[r] = _mm_add_ps(offsets[r], _mm_mul_ps(_mm_set1_ps(offset), sums));
                     }
                 }
             }
         }
         let mut out = [[0f32; T]; R];
         for r in 0..R {
+            let mut lanes = [0f32; 4];
+            // SAFETY: SSE, as the caller; four floats.
+            unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), offsets[r]) };
             for i in 0..T {
-                // SAFETY: AVX, as this function.
-                out[r][i] = unsafe { horizontal(acc[r][i]) } + offsets[r][i];
+                // SAFETY: AVX, as the caller.
+                out[r][i] = unsafe { horizontal(acc[r][i]) } + lanes[i];
             }
         }
         out
@@ -403,15 +462,17 @@ mod avx2 {
         _mm256_slli_epi16::<4>(_mm256_and_si256(moved, _mm256_set1_epi8(mask)))
     }
 
-    /// Piece `k` of a block: its 32 codes as bytes (signed where `signed` says so).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn codes(format: GgmlFormat, block: &[u8], k: usize) -> __m256i {
-        // SAFETY: AVX2, as this function, for every call below; the slices are the format's
+    /// Piece `k` of a block: its 32 codes as bytes, signed where `signed` says so; BIASED: the
+    /// signed ones plus 128 (Q8_0), 8 (Q4_0) or 32 (Q6_K), as unsigned bytes.
+    #[inline(always)]
+    unsafe fn codes<const BIASED: bool>(format: GgmlFormat, block: &[u8], k: usize) -> __m256i {
+        // SAFETY: AVX2, as the caller, for every call below; the slices are the format's
         // fields, and load and nibbles check their lengths.
         unsafe {
             match format {
+                GgmlFormat::Q8_0 if BIASED => _mm256_xor_si256(load(&block[2..34]), _mm256_set1_epi8(i8::MIN)),
                 GgmlFormat::Q8_0 => load(&block[2..34]),
+                GgmlFormat::Q4_0 if BIASED => nibbles(&block[2..18]),
                 GgmlFormat::Q4_0 => _mm256_sub_epi8(nibbles(&block[2..18]), _mm256_set1_epi8(8)),
                 GgmlFormat::Q4_1 => nibbles(&block[4..20]),
                 GgmlFormat::Q4_K => nibble(load(&block[16 + 32 * (k / 2)..]), k % 2 == 1),
@@ -420,7 +481,11 @@ mod avx2 {
                     let (n, part) = (k / 4, k % 4);
                     let low = nibble(load(&block[64 * n + 32 * (part % 2)..]), part >= 2);
                     let code = _mm256_or_si256(low, high_bits(load(&block[128 + 32 * n..]), 2 * part, 3));
-                    _mm256_sub_epi8(code, _mm256_set1_epi8(32))
+                    if BIASED {
+                        code
+                    } else {
+                        _mm256_sub_epi8(code, _mm256_set1_epi8(32))
+                    }
                 }
             }
         }
@@ -509,7 +574,7 @@ mod tests {
     #[test]
     fn integer_dots_match_the_reference_within_the_input_rounding() {
         let mut rng = Rng::new(11);
-        let kernels = [DotKernel::Scalar, DotKernel::detect()];
+        let kernels = DotKernel::available();
         for format in [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K] {
             assert!(supports(format));
             for blocks in [1, 3, 6] {
@@ -526,7 +591,7 @@ mod tests {
                         q
                     })
                     .collect();
-                for kernel in kernels {
+                for &kernel in &kernels {
                     let mut together = vec![f32::NAN; 6];
                     dot_rows(kernel, format, &[m.row_blocks(0)], &inputs, &mut together);
                     for (i, (x, q)) in xs.iter().zip(&inputs).enumerate() {
@@ -568,7 +633,7 @@ mod tests {
                         q
                     })
                     .collect();
-                for kernel in [DotKernel::Scalar, DotKernel::detect()] {
+                for kernel in DotKernel::available() {
                     let mut out = vec![f32::NAN; rows * tokens];
                     dot_rows(kernel, format, &row_blocks, &inputs, &mut out);
                     for (r, row) in row_blocks.iter().enumerate() {
@@ -593,7 +658,7 @@ mod tests {
         }
         let x = Q8Block { d: 1.0, sum: 0.0, qs: [127; 32] };
         let want = 16.0 * (-128.0 * 127.0) + 16.0 * (127.0 * 127.0);
-        for k in [DotKernel::Scalar, DotKernel::detect()] {
+        for k in DotKernel::available() {
             let mut out = [f32::NAN];
             dot_rows(k, GgmlFormat::Q8_0, &[&block], &[vec![x]], &mut out);
             assert_eq!(out[0], want, "{k:?}");

@@ -1,10 +1,12 @@
 //! The reference backend: plain Rust, f32 accumulation, fixed summation order. Rows of a product
-//! are spread over a rayon pool; every output element is computed by one thread in one order, so
-//! results do not depend on the thread count. Block-format weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K,
+//! are spread over the backend's own threads (`workers`); every output element is computed by one
+//! thread in one order, so results do not depend on the thread count. Block-format weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K,
 //! Q5_K, Q6_K) take integer dot products against an 8-bit copy of the input unless the f32
 //! reference is asked for (`CpuKernels`; see quant::q8dot).
 
-use rayon::prelude::*;
+mod workers;
+
+use workers::Workers;
 
 use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Rope, Routing};
 use crate::quant::q8dot::{self, DotKernel, Q8Block};
@@ -40,10 +42,12 @@ pub struct CpuKvCache {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuKernels {
     /// Integer dot products on the fastest instructions this CPU has, unless the environment
-    /// variable `ATLAS_CPU_KERNELS` names another choice. Faster than the reference, but the
-    /// inputs' rounding to 8 bits changes some answers of small models (SmolLM2-135M's to "What
-    /// is the capital of France?"), so engines take the reference unless asked.
+    /// variable `ATLAS_CPU_KERNELS` names another choice: 3-4x the reference's speed. The
+    /// inputs' rounding to 8 bits changes some answers of small models (SmolLM2-135M answers
+    /// "What is the capital of France?" with French landmarks, as llama.cpp's build does too).
     Auto,
+    /// The AVX2 kernel even where AVX-512 VNNI's is faster (an error on a CPU without AVX2).
+    Avx2,
     /// Integer dot products in plain Rust (the same results as Auto's, slower).
     Scalar,
     /// Every weight widened to f32 a row at a time: the oracle the others are tested against.
@@ -58,9 +62,10 @@ impl std::str::FromStr for CpuKernels {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "auto" => Ok(CpuKernels::Auto),
+            "avx2" => Ok(CpuKernels::Avx2),
             "scalar" => Ok(CpuKernels::Scalar),
             "reference" => Ok(CpuKernels::Reference),
-            _ => Err(Error::InvalidArgument(format!("CPU kernels {s:?}: expected auto, scalar or reference"))),
+            _ => Err(Error::InvalidArgument(format!("CPU kernels {s:?}: expected auto, avx2, scalar or reference"))),
         }
     }
 }
@@ -74,6 +79,8 @@ impl CpuKernels {
         };
         Ok(match choice {
             CpuKernels::Auto => Some(DotKernel::detect()),
+            CpuKernels::Avx2 if DotKernel::available().contains(&DotKernel::Avx2) => Some(DotKernel::Avx2),
+            CpuKernels::Avx2 => return Err(Error::InvalidArgument("CPU kernels avx2: this CPU lacks AVX2 or F16C".into())),
             CpuKernels::Scalar => Some(DotKernel::Scalar),
             CpuKernels::Reference => None,
         })
@@ -81,7 +88,7 @@ impl CpuKernels {
 }
 
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    workers: Workers,
     /// The integer kernel for block formats; None: the f32 reference for every weight.
     dot: Option<DotKernel>,
     /// See `Backend::set_token_mask`.
@@ -97,13 +104,9 @@ impl CpuBackend {
     }
 
     pub fn with_kernels(threads: usize, kernels: CpuKernels) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("atlas-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::Device(format!("cannot start CPU threads: {e}")))?;
+        let workers = Workers::new(threads)?;
         let dot = kernels.resolve()?;
-        Ok(CpuBackend { pool, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
+        Ok(CpuBackend { workers, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
     }
 
     /// `w`'s blocks and the integer kernel for them, when they take one: (matrix, which of its
@@ -212,7 +215,7 @@ impl Backend for CpuBackend {
 
     fn describe(&self) -> String {
         let kernels = self.dot.map_or("f32 reference", DotKernel::name);
-        format!("cpu ({} threads, {kernels})", self.pool.current_num_threads())
+        format!("cpu ({} threads, {kernels})", self.workers.threads())
     }
 
     fn supports(&self, _cap: Capability) -> bool {
@@ -306,7 +309,7 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         let group = weight.cols;
-        if group == 0 || x.cols % group != 0 {
+        if group == 0 || !x.cols.is_multiple_of(group) {
             return Err(Error::InvalidArgument(format!("rms_norm: width {} is not a multiple of {group}", x.cols)));
         }
         let mut out = x.data.clone();
@@ -339,30 +342,23 @@ impl Backend for CpuBackend {
                     q
                 })
                 .collect();
-            self.pool.install(|| {
-                out_t.par_chunks_mut(t * 16).enumerate().for_each(|(chunk, out)| {
-                    let mut blocks: [&[u8]; 16] = [&[]; 16];
-                    let count = out.len() / t;
-                    for (i, b) in blocks[..count].iter_mut().enumerate() {
-                        let row = chunk * 16 + i;
-                        *b = matrix.row_blocks(rows.map_or(row, |r| r[row]));
-                    }
-                    q8dot::dot_rows(kernel, matrix.format(), &blocks[..count], &inputs, out);
-                })
+            self.workers.for_each(&mut out_t.chunks_mut(t * 16).collect::<Vec<_>>(), || (), |_, chunk, out| {
+                let mut blocks: [&[u8]; 16] = [&[]; 16];
+                let count = out.len() / t;
+                for (i, b) in blocks[..count].iter_mut().enumerate() {
+                    let row = chunk * 16 + i;
+                    *b = matrix.row_blocks(rows.map_or(row, |r| r[row]));
+                }
+                q8dot::dot_rows(kernel, matrix.format(), &blocks[..count], &inputs, out);
             });
         } else {
-            self.pool.install(|| {
-                out_t.par_chunks_mut(t * 16).enumerate().for_each_init(
-                    || vec![0f32; k],
-                    |row_buf, (chunk, out)| {
-                        for (i, o) in out.chunks_exact_mut(t).enumerate() {
-                            w.dequant_row(chunk * 16 + i, row_buf);
-                            for (tok, slot) in o.iter_mut().enumerate() {
-                                *slot = dot(row_buf, x.row(tok));
-                            }
-                        }
-                    },
-                )
+            self.workers.for_each(&mut out_t.chunks_mut(t * 16).collect::<Vec<_>>(), || vec![0f32; k], |row_buf, chunk, out| {
+                for (i, o) in out.chunks_exact_mut(t).enumerate() {
+                    w.dequant_row(chunk * 16 + i, row_buf);
+                    for (tok, slot) in o.iter_mut().enumerate() {
+                        *slot = dot(row_buf, x.row(tok));
+                    }
+                }
             });
         }
         let mut out = vec![0f32; t * n];
@@ -384,7 +380,7 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut CpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
         let half = rope.inv_freq.len();
-        if d == 0 || x.cols % d != 0 || 2 * half > d {
+        if d == 0 || !x.cols.is_multiple_of(d) || 2 * half > d {
             return Err(Error::InvalidArgument(format!("rope: width {} and head_dim {d} disagree", x.cols)));
         }
         let cols = x.cols;
@@ -429,28 +425,26 @@ impl Backend for CpuBackend {
         let (keys, values) = (&cache.keys, &cache.values);
         // One task per (token, head); each writes its own head_dim slice of the output.
         let mut out = vec![0f32; t * num_heads * d];
-        self.pool.install(|| {
-            out.par_chunks_mut(d).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
-                let (tok, h) = (idx / num_heads, idx % num_heads);
-                let kvh = h / group;
-                let qh = &q.data[tok * q.cols + h * d..][..d];
-                let visible = start_pos + tok + 1;
-                scores.clear();
-                scores.extend((0..visible).map(|p| dot(qh, &keys[p * width + kvh * d..][..d]) * scale));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
+        self.workers.for_each(&mut out.chunks_mut(d).collect::<Vec<_>>(), Vec::new, |scores: &mut Vec<f32>, idx, o| {
+            let (tok, h) = (idx / num_heads, idx % num_heads);
+            let kvh = h / group;
+            let qh = &q.data[tok * q.cols + h * d..][..d];
+            let visible = start_pos + tok + 1;
+            scores.clear();
+            scores.extend((0..visible).map(|p| dot(qh, &keys[p * width + kvh * d..][..d]) * scale));
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            o.fill(0.0);
+            for (p, s) in scores.iter().enumerate() {
+                let weight = s / sum;
+                for (acc, vv) in o.iter_mut().zip(&values[p * width + kvh * d..][..d]) {
+                    *acc += weight * vv;
                 }
-                o.fill(0.0);
-                for (p, s) in scores.iter().enumerate() {
-                    let weight = s / sum;
-                    for (acc, vv) in o.iter_mut().zip(&values[p * width + kvh * d..][..d]) {
-                        *acc += weight * vv;
-                    }
-                }
-            })
+            }
         });
         Ok(CpuTensor::new(t, num_heads * d, out))
     }
@@ -516,41 +510,40 @@ impl Backend for CpuBackend {
         let (k_off, v_off) = (key_heads * dk, 2 * key_heads * dk);
         let mut out = vec![0f32; t * hv * dv];
         // One task per value head: its state is its own, its tokens run in order.
-        self.pool.install(|| {
-            state.data.par_chunks_mut(dk * dv).zip(out_heads(&mut out, t, hv, dv)).enumerate().for_each(|(h, (s, mut o))| {
-                let kh = h / group;
-                let decay_rate = -a_log.data[h].exp();
-                for tok in 0..t {
-                    let row = qkv.row(tok);
-                    let q = l2_normalized(&row[kh * dk..][..dk], 1.0 / (dk as f32).sqrt());
-                    let k = l2_normalized(&row[k_off + kh * dk..][..dk], 1.0);
-                    let v = &row[v_off + h * dv..][..dv];
-                    let beta = 1.0 / (1.0 + (-b.row(tok)[h]).exp());
-                    let decay = (decay_rate * softplus(a.row(tok)[h] + dt_bias.data[h])).exp();
-                    for x in s.iter_mut() {
-                        *x *= decay;
-                    }
-                    // S is [dk, dv]: row i holds key dimension i.
-                    let mut recalled = vec![0f32; dv];
-                    for (ki, srow) in k.iter().zip(s.chunks_exact(dv)) {
-                        for (r, sv) in recalled.iter_mut().zip(srow) {
-                            *r += ki * sv;
-                        }
-                    }
-                    for (ki, srow) in k.iter().zip(s.chunks_exact_mut(dv)) {
-                        for ((sv, vj), rj) in srow.iter_mut().zip(v).zip(&recalled) {
-                            *sv += ki * beta * (vj - rj);
-                        }
-                    }
-                    let o_tok = o.token(tok);
-                    o_tok.fill(0.0);
-                    for (qi, srow) in q.iter().zip(s.chunks_exact(dv)) {
-                        for (ov, sv) in o_tok.iter_mut().zip(srow) {
-                            *ov += qi * sv;
-                        }
+        let mut heads: Vec<_> = state.data.chunks_mut(dk * dv).zip(out_heads(&mut out, t, hv, dv)).collect();
+        self.workers.for_each(&mut heads, || (), |_, h, (s, o)| {
+            let kh = h / group;
+            let decay_rate = -a_log.data[h].exp();
+            for tok in 0..t {
+                let row = qkv.row(tok);
+                let q = l2_normalized(&row[kh * dk..][..dk], 1.0 / (dk as f32).sqrt());
+                let k = l2_normalized(&row[k_off + kh * dk..][..dk], 1.0);
+                let v = &row[v_off + h * dv..][..dv];
+                let beta = 1.0 / (1.0 + (-b.row(tok)[h]).exp());
+                let decay = (decay_rate * softplus(a.row(tok)[h] + dt_bias.data[h])).exp();
+                for x in s.iter_mut() {
+                    *x *= decay;
+                }
+                // S is [dk, dv]: row i holds key dimension i.
+                let mut recalled = vec![0f32; dv];
+                for (ki, srow) in k.iter().zip(s.chunks_exact(dv)) {
+                    for (r, sv) in recalled.iter_mut().zip(srow) {
+                        *r += ki * sv;
                     }
                 }
-            })
+                for (ki, srow) in k.iter().zip(s.chunks_exact_mut(dv)) {
+                    for ((sv, vj), rj) in srow.iter_mut().zip(v).zip(&recalled) {
+                        *sv += ki * beta * (vj - rj);
+                    }
+                }
+                let o_tok = o.token(tok);
+                o_tok.fill(0.0);
+                for (qi, srow) in q.iter().zip(s.chunks_exact(dv)) {
+                    for (ov, sv) in o_tok.iter_mut().zip(srow) {
+                        *ov += qi * sv;
+                    }
+                }
+            }
         });
         Ok(CpuTensor::new(t, hv * dv, out))
     }

@@ -188,7 +188,7 @@ impl GpuBackend {
     pub(super) fn launch_gated_rms_norm(&self, x: &GpuTensor, z: &GpuTensor, weight: &GpuTensor, eps: f32) -> Result<GpuTensor> {
         same_shape(x, z, "gated_rms_norm")?;
         let group = weight.cols;
-        if group == 0 || x.cols % group != 0 {
+        if group == 0 || !x.cols.is_multiple_of(group) {
             return Err(Error::InvalidArgument(format!("gated_rms_norm: width {} is not a multiple of {group}", x.cols)));
         }
         int("gated_rms_norm input", x.rows * x.cols)?;

@@ -187,9 +187,9 @@ impl GpuWeight {
     fn gemv1_fits(&self, normed: bool, dev: GemvDevice, tokens: usize) -> bool {
         match self.format {
             WeightFormat::Bf16 => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 8 == 0 && self.gemv1_group(normed, dev, tokens) > 0
+                (1..=GEMV1_TOKENS).contains(&tokens) && self.cols.is_multiple_of(8) && self.gemv1_group(normed, dev, tokens) > 0
             }
-            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols % 16 == 0 && self.gemv1_group(normed, dev, tokens) > 0,
+            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols.is_multiple_of(16) && self.gemv1_group(normed, dev, tokens) > 0,
             // Several tokens take the one-token kernel one by one: each gets its single-step bits.
             WeightFormat::Packed(_) => {
                 (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, 1, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
@@ -430,7 +430,7 @@ fn fp8_slots(cols: usize, rows: usize, dev: GemvDevice) -> usize {
 /// bytes) and 64 runs' meta groups (rounded up to 16 bytes, + 16).
 fn packed_slot_bytes(format: GgmlFormat, cols: usize) -> Option<usize> {
     let (group_runs, group_bytes) = packed::meta_group(format);
-    if packed::high_bits(format) > 0 || (cols / packed::RUN / group_runs * group_bytes) % 4 != 0 {
+    if packed::high_bits(format) > 0 || !(cols / packed::RUN / group_runs * group_bytes).is_multiple_of(4) {
         return None;
     }
     let meta = 64 / group_runs * group_bytes;
@@ -1364,7 +1364,7 @@ impl Backend for GpuBackend {
 
     fn rms_norm(&self, x: &GpuTensor, weight: &GpuTensor, eps: f32) -> Result<GpuTensor> {
         let group = weight.cols;
-        if group == 0 || x.cols % group != 0 {
+        if group == 0 || !x.cols.is_multiple_of(group) {
             return Err(Error::InvalidArgument(format!("rms_norm: width {} is not a multiple of {group}", x.cols)));
         }
         let out = self.tensor(x.rows, x.cols)?;
@@ -1475,7 +1475,7 @@ impl Backend for GpuBackend {
 
     fn norm_rope(&self, x: &mut GpuTensor, norm: Option<&GpuTensor>, eps: f32, rope: &Rope, start_pos: usize) -> Result<()> {
         let d = rope.head_dim;
-        if d == 0 || x.cols % d != 0 || 2 * rope.inv_freq.len() > d || norm.is_some_and(|w| w.cols != d) || d > 2048 {
+        if d == 0 || !x.cols.is_multiple_of(d) || 2 * rope.inv_freq.len() > d || norm.is_some_and(|w| w.cols != d) || d > 2048 {
             return Err(Error::InvalidArgument(format!("norm_rope: width {} and head_dim {d} disagree", x.cols)));
         }
         let freqs = self.rope_freqs(rope)?;
@@ -1543,7 +1543,7 @@ impl Backend for GpuBackend {
 
     fn rope(&self, x: &mut GpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
         let (d, half) = (rope.head_dim, rope.inv_freq.len());
-        if d == 0 || x.cols % d != 0 || 2 * half > d {
+        if d == 0 || !x.cols.is_multiple_of(d) || 2 * half > d {
             return Err(Error::InvalidArgument(format!("rope: width {} and head_dim {d} disagree", x.cols)));
         }
         if half == 0 || x.rows == 0 || x.cols == 0 {

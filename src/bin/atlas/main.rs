@@ -173,12 +173,13 @@ pub struct LoadArgs {
     /// decode steps run between its steps (their streams keep flowing). 0: a prompt in one step.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
-    /// How the CPU multiplies GGUF block weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): reference =
-    /// every weight widened to f32 (the default); auto = integer dot products against an 8-bit
-    /// copy of each input on the best instructions this CPU has (as llama.cpp; 3-4x faster, but
-    /// the rounding changes some answers of small models); scalar = the same sums in plain Rust.
-    /// The environment variable ATLAS_CPU_KERNELS overrides auto.
-    #[arg(long, value_name = "KIND", default_value = "reference")]
+    /// How the CPU multiplies GGUF block weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): auto (the
+    /// default) = integer dot products against an 8-bit copy of each input on the best
+    /// instructions this CPU has (AVX-512 VNNI, else AVX2), as llama.cpp does; avx2 = the AVX2
+    /// kernel even where VNNI is there; scalar = the same sums in plain Rust;
+    /// reference = every weight widened to f32 (3-4x slower; the oracle the others are tested
+    /// against, and unrounded inputs). The environment variable ATLAS_CPU_KERNELS overrides auto.
+    #[arg(long, value_name = "KIND", default_value = "auto")]
     cpu_kernels: String,
 }
 
