@@ -178,6 +178,7 @@ impl QuantMatrix for ColumnRange {
 
 /// Dot product with a fixed summation order (eight interleaved partial sums, then a fixed tree), so
 /// results are reproducible and the compiler can vectorise the loop.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 8];

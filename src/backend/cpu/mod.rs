@@ -138,6 +138,57 @@ impl CpuBackend {
     }
 }
 
+/// One query row's view of a layer's cache: `visible` positions of width-wide rows, its head's
+/// columns at `offset`, scores scaled by `scale`.
+struct Query<'a> {
+    q: &'a [f32],
+    offset: usize,
+    visible: usize,
+    scale: f32,
+}
+
+/// softmax(q · keysᵀ · scale) · values for one query row, into `o`.
+#[inline(always)]
+fn attend(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
+    let (d, offset) = (query.q.len(), query.offset);
+    scores.clear();
+    // A plain loop, not an iterator adapter: a closure would not inherit attend_wide's features.
+    for p in 0..query.visible {
+        scores.push(dot(query.q, &keys[p * width + offset..][..d]) * query.scale);
+    }
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    o.fill(0.0);
+    for (p, s) in scores.iter().enumerate() {
+        let weight = s / sum;
+        for (acc, vv) in o.iter_mut().zip(&values[p * width + offset..][..d]) {
+            *acc += weight * vv;
+        }
+    }
+}
+
+fn attend_wide_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `attend` compiled for AVX2: its loops in 8-wide registers, the same operations in the same
+/// order (Rust never fuses a multiply and an add by itself), so the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2 (`attend_wide_available`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_wide(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
+    attend(query, keys, values, width, scores, o)
+}
+
 fn same_shape(a: &CpuTensor, b: &CpuTensor, op: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
         return Err(Error::InvalidArgument(format!(
@@ -335,13 +386,8 @@ impl Backend for CpuBackend {
         // read (or dequantised) once and used for every token.
         let mut out_t = vec![0f32; n * t];
         if let Some((kernel, matrix, rows)) = self.integer_rows(w.as_ref()) {
-            let inputs: Vec<Vec<Q8Block>> = (0..t)
-                .map(|tok| {
-                    let mut q = Vec::new();
-                    q8dot::quantize_input(x.row(tok), &mut q);
-                    q
-                })
-                .collect();
+            let mut inputs: Vec<Vec<Q8Block>> = vec![Vec::new(); t];
+            self.workers.for_each(&mut inputs, || (), |_, tok, q| q8dot::quantize_input(x.row(tok), q));
             self.workers.for_each(&mut out_t.chunks_mut(t * 16).collect::<Vec<_>>(), || (), |_, chunk, out| {
                 let mut blocks: [&[u8]; 16] = [&[]; 16];
                 let count = out.len() / t;
@@ -361,11 +407,14 @@ impl Backend for CpuBackend {
                 }
             });
         }
-        let mut out = vec![0f32; t * n];
-        for (j, col) in out_t.chunks_exact(t).enumerate() {
-            for (tok, v) in col.iter().enumerate() {
-                out[tok * n + j] = *v;
-            }
+        let mut out = out_t;
+        if t > 1 {
+            let out_t = std::mem::replace(&mut out, vec![0f32; t * n]);
+            self.workers.for_each(&mut out.chunks_mut(n).collect::<Vec<_>>(), || (), |_, tok, row| {
+                for (v, col) in row.iter_mut().zip(out_t.chunks_exact(t)) {
+                    *v = col[tok];
+                }
+            });
         }
         if let Some(b) = bias {
             for row in out.chunks_exact_mut(n) {
@@ -423,28 +472,21 @@ impl Backend for CpuBackend {
         let group = num_heads / num_kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
         let (keys, values) = (&cache.keys, &cache.values);
-        // One task per (token, head); each writes its own head_dim slice of the output.
+        // One task per (head, token), each writing its own head_dim slice of the output, in head
+        // order: the threads' contiguous shares then hold whole heads, the same causal work each.
         let mut out = vec![0f32; t * num_heads * d];
-        self.workers.for_each(&mut out.chunks_mut(d).collect::<Vec<_>>(), Vec::new, |scores: &mut Vec<f32>, idx, o| {
-            let (tok, h) = (idx / num_heads, idx % num_heads);
+        let mut tasks: Vec<(usize, &mut [f32])> = out.chunks_mut(d).enumerate().collect();
+        tasks.sort_by_key(|&(idx, _)| (idx % num_heads, idx / num_heads));
+        self.workers.for_each(&mut tasks, Vec::new, |scores: &mut Vec<f32>, _, (idx, o)| {
+            let (tok, h) = (*idx / num_heads, *idx % num_heads);
             let kvh = h / group;
-            let qh = &q.data[tok * q.cols + h * d..][..d];
-            let visible = start_pos + tok + 1;
-            scores.clear();
-            scores.extend((0..visible).map(|p| dot(qh, &keys[p * width + kvh * d..][..d]) * scale));
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
+            let query = Query { q: &q.data[tok * q.cols + h * d..][..d], offset: kvh * d, visible: start_pos + tok + 1, scale };
+            #[cfg(target_arch = "x86_64")]
+            if attend_wide_available() {
+                // SAFETY: attend_wide_available checked the CPU's features.
+                return unsafe { attend_wide(&query, keys, values, width, scores, o) };
             }
-            o.fill(0.0);
-            for (p, s) in scores.iter().enumerate() {
-                let weight = s / sum;
-                for (acc, vv) in o.iter_mut().zip(&values[p * width + kvh * d..][..d]) {
-                    *acc += weight * vv;
-                }
-            }
+            attend(&query, keys, values, width, scores, o)
         });
         Ok(CpuTensor::new(t, num_heads * d, out))
     }
