@@ -269,35 +269,33 @@ mod x86 {
     /// The CPU must support AVX2, F16C and FMA.
     #[target_feature(enable = "avx2,f16c,fma")]
     pub unsafe fn dot_rows_avx2(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        // One copy of the loops per format, its decoding resolved at compile time. Sixteen
-        // registers hold a tile of one row by four tokens in prefill, four rows by one in decode.
-        // SAFETY: AVX2 and F16C, as this function.
-        unsafe {
-            match FORMATS.iter().position(|&f| f == format) {
-                Some(0) => grid::<0, false>(rows, inputs, out),
-                Some(1) => grid::<1, false>(rows, inputs, out),
-                Some(2) => grid::<2, false>(rows, inputs, out),
-                Some(3) => grid::<3, false>(rows, inputs, out),
-                Some(4) => grid::<4, false>(rows, inputs, out),
-                _ => grid::<5, false>(rows, inputs, out),
-            }
-        }
+        // Sixteen registers hold a tile of one row by four tokens in prefill, four rows by one in
+        // decode.
+        // SAFETY: the features of this function, which the inlined body uses.
+        unsafe { by_format::<false>(format, rows, inputs, out) }
     }
 
     /// # Safety
     /// The CPU must support AVX2, F16C, FMA, AVX-512 F and VL, and AVX-512 VNNI.
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
     pub unsafe fn dot_rows_vnni(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        // As dot_rows_avx2; 32 registers hold a tile of four rows by four tokens.
-        // SAFETY: the features of this function, which grid's inlined body uses.
+        // 32 registers hold a tile of four rows by four tokens.
+        // SAFETY: the features of this function, which the inlined body uses.
+        unsafe { by_format::<true>(format, rows, inputs, out) }
+    }
+
+    /// One copy of the loops per format, its decoding resolved at compile time.
+    #[inline(always)]
+    unsafe fn by_format<const VNNI: bool>(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        // SAFETY: the caller's target features, which grid's inlined body uses.
         unsafe {
             match FORMATS.iter().position(|&f| f == format) {
-                Some(0) => grid::<0, true>(rows, inputs, out),
-                Some(1) => grid::<1, true>(rows, inputs, out),
-                Some(2) => grid::<2, true>(rows, inputs, out),
-                Some(3) => grid::<3, true>(rows, inputs, out),
-                Some(4) => grid::<4, true>(rows, inputs, out),
-                _ => grid::<5, true>(rows, inputs, out),
+                Some(0) => grid::<0, VNNI>(rows, inputs, out),
+                Some(1) => grid::<1, VNNI>(rows, inputs, out),
+                Some(2) => grid::<2, VNNI>(rows, inputs, out),
+                Some(3) => grid::<3, VNNI>(rows, inputs, out),
+                Some(4) => grid::<4, VNNI>(rows, inputs, out),
+                _ => grid::<5, VNNI>(rows, inputs, out),
             }
         }
     }
