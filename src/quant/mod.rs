@@ -195,9 +195,49 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// `dot(a, b)` for each of N rows `b`, with the same bits, interleaved: N independent chains of
+/// adds instead of one, so a core keeps several in flight (one `dot` waits on each add).
+#[inline(always)]
+pub fn dots<const N: usize>(a: &[f32], b: [&[f32]; N]) -> [f32; N] {
+    let chunks = a.len() / 8 * 8;
+    let mut acc = [[0f32; 8]; N];
+    for c in (0..chunks).step_by(8) {
+        let ca: [f32; 8] = a[c..c + 8].try_into().expect("eight values");
+        for (acc, b) in acc.iter_mut().zip(b) {
+            let cb: [f32; 8] = b[c..c + 8].try_into().expect("eight values");
+            for i in 0..8 {
+                acc[i] += ca[i] * cb[i];
+            }
+        }
+    }
+    let mut out = [0f32; N];
+    for n in 0..N {
+        let mut tail = 0f32;
+        for i in chunks..a.len() {
+            tail += a[i] * b[n][i];
+        }
+        let acc = &acc[n];
+        out[n] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dots_give_the_bits_of_dot() {
+        let mut rng = crate::sampling::Rng::new(3);
+        for len in [8, 100, 128, 131] {
+            let mut random = || (0..len).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32).collect::<Vec<f32>>();
+            let (a, rows) = (random(), [random(), random(), random(), random()]);
+            let got = dots(&a, [&rows[0][..], &rows[1], &rows[2], &rows[3]]);
+            for (row, got) in rows.iter().zip(got) {
+                assert_eq!(got.to_bits(), dot(&a, row).to_bits(), "length {len}");
+            }
+        }
+    }
 
     #[test]
     fn a_column_range_holds_those_columns_of_every_row() {

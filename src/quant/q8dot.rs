@@ -356,7 +356,7 @@ mod x86 {
         // Plain loops, not array::from_fn: closures would not inherit the caller's target
         // features and stay uninlined calls.
         let mut block: [&[u8]; R] = [&[]; R];
-        let mut halves = [[0f32; 2]; R];
+        let mut scales = [BlockScales { first: [0.0; 8], second: [0.0; 8], offset: [0.0; 8] }; R];
         let mut q = [_mm256_setzero_si256(); T];
         let mut start = [_mm256_setzero_si256(); T];
         let mut input_scale = [_mm256_setzero_ps(); T];
@@ -368,10 +368,14 @@ mod x86 {
                     // Decode reads each row once: the rows two tiles on (in a matrix's usual
                     // layout) are fetched while these are summed, as rows are too short for the
                     // hardware to see a stream. (Prefill reuses a row from L1 for every token.)
-                    _mm_prefetch::<_MM_HINT_T0>(block[r].as_ptr().wrapping_add(2 * R * rows[r].len()).cast());
+                    // Every cache line of a block (a k-quant block spans three or four).
+                    let ahead = block[r].as_ptr().wrapping_add(2 * R * rows[r].len());
+                    for line in (0..bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+                    }
                 }
-                // SAFETY: F16C, as the caller.
-                halves[r] = unsafe { widen(block[r], at) };
+                // SAFETY: F16C and AVX2, as the caller.
+                scales[r] = unsafe { block_scales(format, block[r], widen(block[r], at)) };
             }
             for k in 0..per_block {
                 let p = b * per_block + k;
@@ -392,8 +396,8 @@ mod x86 {
                     let w = unsafe { codes::<VNNI>(format, block[r], k) };
                     // maddubs multiplies unsigned by signed bytes: |w| by q with w's sign.
                     let magnitude = if signed && !VNNI { _mm256_sign_epi8(w, w) } else { w };
-                    let Piece { scales, offset } = piece(format, block[r], halves[r], k);
-                    let row_scale = _mm256_set_m128(_mm_set1_ps(scales[1]), _mm_set1_ps(scales[0]));
+                    let (first, second, offset) = (scales[r].first[k], scales[r].second[k], scales[r].offset[k]);
+                    let row_scale = if format == GgmlFormat::Q6_K { _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first)) } else { _mm256_set1_ps(first) };
                     for i in 0..T {
                         let lanes = if VNNI {
                             // SAFETY: AVX-512 VNNI and VL, as the caller.
@@ -424,6 +428,47 @@ mod x86 {
             }
         }
         out
+    }
+
+    /// Every piece of a block as `piece` gives it: the scales of its halves and its offset.
+    #[derive(Clone, Copy)]
+    struct BlockScales {
+        first: [f32; 8],
+        second: [f32; 8],
+        offset: [f32; 8],
+    }
+
+    /// The pieces of a block whose f16 fields widen to `halves`. The k-quants' eight 6-bit scales
+    /// and minimums are unpacked a word at a time and scaled in one vector each (the same
+    /// products as `piece`'s, so the same bits), not one piece at a time.
+    #[inline(always)]
+    unsafe fn block_scales(format: GgmlFormat, block: &[u8], halves: [f32; 2]) -> BlockScales {
+        let mut s = BlockScales { first: [0.0; 8], second: [0.0; 8], offset: [0.0; 8] };
+        if matches!(format, GgmlFormat::Q4_K | GgmlFormat::Q5_K) {
+            // scale_min_k4 for all eight: the low six bits of bytes 0-3 (scales) and 4-7
+            // (minimums), then nibbles of bytes 8-11 topped by the two high bits of 0-3 and 4-7.
+            let word = |i: usize| u32::from_le_bytes([block[i], block[i + 1], block[i + 2], block[i + 3]]);
+            let (w0, w1, w2) = (word(4), word(8), word(12));
+            let low6 = 0x3f3f_3f3f;
+            let scale_codes = u64::from(w0 & low6) | u64::from((w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)) << 32;
+            let min_codes = u64::from(w1 & low6) | u64::from(((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) << 32;
+            // SAFETY: AVX2, as the caller; eight floats each.
+            unsafe {
+                let scale_codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scale_codes as i64)));
+                let min_codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(min_codes as i64)));
+                let first = _mm256_mul_ps(scale_codes, _mm256_set1_ps(halves[0]));
+                let minimum = _mm256_mul_ps(min_codes, _mm256_set1_ps(halves[1]));
+                _mm256_storeu_ps(s.first.as_mut_ptr(), first);
+                _mm256_storeu_ps(s.second.as_mut_ptr(), first);
+                _mm256_storeu_ps(s.offset.as_mut_ptr(), _mm256_xor_ps(minimum, _mm256_set1_ps(-0.0)));
+            }
+        } else {
+            for k in 0..pieces_per_block(format) {
+                let Piece { scales, offset } = piece(format, block, halves, k);
+                (s.first[k], s.second[k], s.offset[k]) = (scales[0], scales[1], offset);
+            }
+        }
+        s
     }
 
     /// A block's two f16 fields (at `at`), widened exactly by the F16C instruction.

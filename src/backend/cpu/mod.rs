@@ -10,7 +10,7 @@ use workers::Workers;
 
 use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Rope, Routing};
 use crate::quant::q8dot::{self, DotKernel, Q8Block};
-use crate::quant::{dot, GgmlMatrix, QuantMatrix};
+use crate::quant::{dot, dots, GgmlMatrix, QuantMatrix};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
@@ -152,9 +152,17 @@ struct Query<'a> {
 fn attend(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
     let (d, offset) = (query.q.len(), query.offset);
     scores.clear();
-    // A plain loop, not an iterator adapter: a closure would not inherit attend_wide's features.
-    for p in 0..query.visible {
-        scores.push(dot(query.q, &keys[p * width + offset..][..d]) * query.scale);
+    // Plain loops, not iterator adapters: a closure would not inherit attend_wide's features.
+    let key = |p: usize| &keys[p * width + offset..][..d];
+    let mut p = 0;
+    while p + 4 <= query.visible {
+        for s in dots(query.q, [key(p), key(p + 1), key(p + 2), key(p + 3)]) {
+            scores.push(s * query.scale);
+        }
+        p += 4;
+    }
+    for p in p..query.visible {
+        scores.push(dot(query.q, key(p)) * query.scale);
     }
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
@@ -163,9 +171,20 @@ fn attend(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mu
         sum += *s;
     }
     o.fill(0.0);
-    for (p, s) in scores.iter().enumerate() {
+    // Four positions per pass over `o` (each element still adds them in position order).
+    let value = |p: usize| &values[p * width + offset..][..d];
+    let mut p = 0;
+    while p + 4 <= scores.len() {
+        let w = [scores[p] / sum, scores[p + 1] / sum, scores[p + 2] / sum, scores[p + 3] / sum];
+        let v = [value(p), value(p + 1), value(p + 2), value(p + 3)];
+        for (i, acc) in o.iter_mut().enumerate() {
+            *acc = *acc + w[0] * v[0][i] + w[1] * v[1][i] + w[2] * v[2][i] + w[3] * v[3][i];
+        }
+        p += 4;
+    }
+    for (p, s) in scores.iter().enumerate().skip(p) {
         let weight = s / sum;
-        for (acc, vv) in o.iter_mut().zip(&values[p * width + offset..][..d]) {
+        for (acc, vv) in o.iter_mut().zip(value(p)) {
             *acc += weight * vv;
         }
     }
@@ -410,9 +429,13 @@ impl Backend for CpuBackend {
         let mut out = out_t;
         if t > 1 {
             let out_t = std::mem::replace(&mut out, vec![0f32; t * n]);
-            self.workers.for_each(&mut out.chunks_mut(n).collect::<Vec<_>>(), || (), |_, tok, row| {
-                for (v, col) in row.iter_mut().zip(out_t.chunks_exact(t)) {
-                    *v = col[tok];
+            // Sixteen tokens a task: each weight row's sixteen outputs are one cache line of out_t.
+            self.workers.for_each(&mut out.chunks_mut(16 * n).collect::<Vec<_>>(), || (), |_, chunk, rows| {
+                let first = chunk * 16;
+                for (j, col) in out_t.chunks_exact(t).enumerate() {
+                    for (i, v) in col[first..first + rows.len() / n].iter().enumerate() {
+                        rows[i * n + j] = *v;
+                    }
                 }
             });
         }
