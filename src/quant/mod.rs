@@ -195,6 +195,41 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// `dots` in AVX registers, written out: left to the compiler, the N rows become the vector
+/// lanes (a transposed, shuffling loop). The same lanes and operations, so the same bits.
+///
+/// # Safety
+/// The CPU must support AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx")]
+pub unsafe fn dots_avx<const N: usize>(a: &[f32], b: [&[f32]; N]) -> [f32; N] {
+    use std::arch::x86_64::*;
+    let chunks = a.len() / 8 * 8;
+    let mut acc = [_mm256_setzero_ps(); N];
+    for c in (0..chunks).step_by(8) {
+        // SAFETY: eight floats from c in each (bounds checked by the slices).
+        let va = unsafe { _mm256_loadu_ps(a[c..c + 8].as_ptr()) };
+        for (acc, b) in acc.iter_mut().zip(&b) {
+            // SAFETY: as above.
+            let vb = unsafe { _mm256_loadu_ps(b[c..c + 8].as_ptr()) };
+            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(va, vb));
+        }
+    }
+    let mut out = [0f32; N];
+    for n in 0..N {
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[n]) };
+        let mut tail = 0f32;
+        for i in chunks..a.len() {
+            tail += a[i] * b[n][i];
+        }
+        out[n] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail;
+    }
+    out
+}
+
 /// `dot(a, b)` for each of N rows `b`, with the same bits, interleaved: N independent chains of
 /// adds instead of one, so a core keeps several in flight (one `dot` waits on each add).
 #[inline(always)]
@@ -235,6 +270,12 @@ mod tests {
             let got = dots(&a, [&rows[0][..], &rows[1], &rows[2], &rows[3]]);
             for (row, got) in rows.iter().zip(got) {
                 assert_eq!(got.to_bits(), dot(&a, row).to_bits(), "length {len}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx") {
+                // SAFETY: AVX, checked above.
+                let wide = unsafe { dots_avx(&a, [&rows[0][..], &rows[1], &rows[2], &rows[3]]) };
+                assert_eq!(wide.map(f32::to_bits), got.map(f32::to_bits), "length {len}");
             }
         }
     }

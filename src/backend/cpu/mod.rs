@@ -147,16 +147,23 @@ struct Query<'a> {
     scale: f32,
 }
 
-/// softmax(q · keysᵀ · scale) · values for one query row, into `o`.
+/// softmax(q · keysᵀ · scale) · values for one query row, into `o`; WIDE: inlined into
+/// `attend_wide`, whose AVX2 its key products use.
 #[inline(always)]
-fn attend(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
+fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
     let (d, offset) = (query.q.len(), query.offset);
     scores.clear();
     // Plain loops, not iterator adapters: a closure would not inherit attend_wide's features.
     let key = |p: usize| &keys[p * width + offset..][..d];
     let mut p = 0;
     while p + 4 <= query.visible {
-        for s in dots(query.q, [key(p), key(p + 1), key(p + 2), key(p + 3)]) {
+        let four = [key(p), key(p + 1), key(p + 2), key(p + 3)];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: WIDE only inside attend_wide, which needs AVX2.
+        let products = if WIDE { unsafe { crate::quant::dots_avx(query.q, four) } } else { dots(query.q, four) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let products = dots(query.q, four);
+        for s in products {
             scores.push(s * query.scale);
         }
         p += 4;
@@ -205,7 +212,7 @@ fn attend_wide_available() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn attend_wide(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
-    attend(query, keys, values, width, scores, o)
+    attend::<true>(query, keys, values, width, scores, o)
 }
 
 fn same_shape(a: &CpuTensor, b: &CpuTensor, op: &str) -> Result<()> {
@@ -509,7 +516,7 @@ impl Backend for CpuBackend {
                 // SAFETY: attend_wide_available checked the CPU's features.
                 return unsafe { attend_wide(&query, keys, values, width, scores, o) };
             }
-            attend(&query, keys, values, width, scores, o)
+            attend::<false>(&query, keys, values, width, scores, o)
         });
         Ok(CpuTensor::new(t, num_heads * d, out))
     }
