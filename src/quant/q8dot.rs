@@ -447,8 +447,8 @@ mod x86 {
         offset: [f32; 8],
     }
 
-    /// The pieces of a block whose f16 fields widen to `halves`. The k-quants' eight 6-bit scales
-    /// and minimums are unpacked a word at a time and scaled in one vector each (the same
+    /// The pieces of a block whose f16 fields widen to `halves`. The k-quants' scales (and Q4_K's
+    /// and Q5_K's minimums) are unpacked at once and scaled in one vector each (the same
     /// products as `piece`'s, so the same bits), not one piece at a time.
     #[inline(always)]
     unsafe fn block_scales(format: GgmlFormat, block: &[u8], halves: [f32; 2]) -> BlockScales {
@@ -470,6 +470,19 @@ mod x86 {
                 _mm256_storeu_ps(s.first.as_mut_ptr(), first);
                 _mm256_storeu_ps(s.second.as_mut_ptr(), first);
                 _mm256_storeu_ps(s.offset.as_mut_ptr(), _mm256_xor_ps(minimum, _mm256_set1_ps(-0.0)));
+            }
+        } else if format == GgmlFormat::Q6_K {
+            // Sixteen signed scales, one per 16 values: the even ones scale each piece's first
+            // half, the odd ones its second.
+            let codes: &[u8; 16] = block[192..208].try_into().expect("sixteen scales");
+            // SAFETY: AVX2, as the caller; sixteen bytes in, eight floats out each.
+            unsafe {
+                let packed = _mm_loadu_si128(codes.as_ptr().cast());
+                let split = _mm_shuffle_epi8(packed, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+                let even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(split));
+                let odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(split)));
+                _mm256_storeu_ps(s.first.as_mut_ptr(), _mm256_mul_ps(even, _mm256_set1_ps(halves[0])));
+                _mm256_storeu_ps(s.second.as_mut_ptr(), _mm256_mul_ps(odd, _mm256_set1_ps(halves[0])));
             }
         } else {
             for k in 0..pieces_per_block(format) {
