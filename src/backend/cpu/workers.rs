@@ -144,8 +144,10 @@ struct Wait<'a>(&'a Shared);
 impl Drop for Wait<'_> {
     fn drop(&mut self) {
         let started = Instant::now();
+        let mut spins = 0u32;
         while self.0.pending.load(SeqCst) > 0 {
-            if started.elapsed() < SPIN {
+            spins = spins.wrapping_add(1);
+            if started.elapsed() < SPIN && !spins.is_multiple_of(64) {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
@@ -162,8 +164,14 @@ fn help(shared: &Shared, share: usize) {
         let mut spins = 0u32;
         while shared.generation.load(SeqCst) == seen && !shared.stop.load(SeqCst) {
             spins = spins.wrapping_add(1);
-            if !spins.is_multiple_of(64) || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(64) {
                 std::hint::spin_loop();
+                continue;
+            }
+            if started.elapsed() < SPIN {
+                // Another thread of the process that is ready to run (a request finishing on
+                // the host's side) gets the core now, not when the spin ends.
+                std::thread::yield_now();
                 continue;
             }
             let mut asleep = lock(&shared.asleep);
