@@ -1,8 +1,9 @@
 //! The CPU's fast products for block formats: the input is quantised once to 8 bits in blocks of
 //! 32 values (a scale each, and the scaled sum of its codes, as ggml's Q8_1), and each 32-value
 //! piece of a weight row meets its input block in exact integer sums. A piece gives eight partial
-//! sums (four products each, the lanes of an AVX2 register), scaled and added in f32 (one fused
-//! multiply-add) into eight accumulators, which meet in a fixed tree at the end of the row;
+//! sums (four products each, the lanes of an AVX2 register), scaled and added in f32 (a multiply
+//! then an add: a fused one would need the scalar kernel's `mul_add`, which MinGW's libm does not
+//! fuse) into eight accumulators, which meet in a fixed tree at the end of the row;
 //! formats with an offset (Q4_1's m, the k-quants' minimums) add it times the input block's sum.
 //! The scalar and SIMD kernels (AVX2's byte multiplies, AVX-512 VNNI's dot instructions) do the
 //! same arithmetic in the same order, so all give the same bits (tested). Several rows share each
@@ -60,7 +61,7 @@ fn round_half_away(x: f32) -> f32 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DotKernel {
     Scalar,
-    /// x86-64 with AVX2, F16C and FMA (checked at run time).
+    /// x86-64 with AVX2 and F16C (checked at run time).
     Avx2,
     /// x86-64 with AVX-512 VNNI and VL besides: `vpdpbusd` on 256-bit registers, 32 of them, so
     /// prefill tiles are four rows by four tokens.
@@ -77,7 +78,7 @@ impl DotKernel {
     pub fn available() -> Vec<Self> {
         let mut kernels = vec![DotKernel::Scalar];
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
             kernels.push(DotKernel::Avx2);
             let vnni = std::arch::is_x86_feature_detected!("avx512vnni");
             if vnni && std::arch::is_x86_feature_detected!("avx512vl") && std::arch::is_x86_feature_detected!("avx512f") {
@@ -114,7 +115,7 @@ pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, rows: &[&[u8]], inputs: &
     match kernel {
         DotKernel::Scalar => scalar::dot_rows(format, rows, inputs, out),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: DotKernel::Avx2 is only chosen where AVX2, F16C and FMA are detected.
+        // SAFETY: DotKernel::Avx2 is only chosen where AVX2 and F16C are detected.
         DotKernel::Avx2 => unsafe { x86::dot_rows_avx2(format, rows, inputs, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: DotKernel::Avx512Vnni is only chosen where all its features are detected.
@@ -212,7 +213,7 @@ mod scalar {
                     let scaled = [scales[0] * x.d, scales[1] * x.d];
                     for (lane, a) in acc.iter_mut().enumerate() {
                         let sum: i32 = (4 * lane..4 * lane + 4).map(|j| w[j] * i32::from(x.qs[j])).sum();
-                        *a = scaled[lane / 4].mul_add(sum as f32, *a);
+                        *a += scaled[lane / 4] * sum as f32;
                     }
                     if has_offset(format) {
                         offsets += offset * x.sum;
@@ -275,8 +276,8 @@ mod x86 {
     const TOKENS: usize = 4;
 
     /// # Safety
-    /// The CPU must support AVX2, F16C and FMA.
-    #[target_feature(enable = "avx2,f16c,fma")]
+    /// The CPU must support AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
     pub unsafe fn dot_rows_avx2(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // Sixteen registers hold a tile of one row by four tokens in prefill, four rows by one in
         // decode.
@@ -285,8 +286,8 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support AVX2, F16C, FMA, AVX-512 F and VL, and AVX-512 VNNI.
-    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    /// The CPU must support AVX2, F16C, AVX-512 F and VL, and AVX-512 VNNI.
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
     pub unsafe fn dot_rows_vnni(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // 32 registers hold a tile of four rows by four tokens.
         // SAFETY: the features of this function, which the inlined body uses.
@@ -416,8 +417,7 @@ mod x86 {
                             _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1))
                         };
                         let scale = _mm256_mul_ps(row_scale, input_scale[i]);
-                        // SAFETY: FMA, as the caller.
-                        acc[r][i] = unsafe { _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes), acc[r][i]) };
+                        acc[r][i] = _mm256_add_ps(acc[r][i], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes)));
                     }
                     if offsets_too {
                         let sums = _mm_loadu_ps(input_sums.as_ptr());
@@ -611,8 +611,9 @@ mod tests {
         let mut rng = Rng::new(7);
         let special = [0.5, -0.5, 1.5, -1.5, 2.5, 126.5, -127.5, 127.49999, 0.49999997, -0.49999997, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e10, -1e10];
         let random = (0..100_000).map(|_| (rng.next_f64() * 300.0 - 150.0) as f32);
+        // In f64 (x + 0.5 is exact there), as MinGW's roundf rounds 0.49999997 up.
         for x in special.into_iter().chain(random) {
-            assert_eq!(super::round_half_away(x) as i8, x.round() as i8, "{x}");
+            assert_eq!(super::round_half_away(x) as i8, f64::from(x).round() as i8, "{x}");
         }
     }
 
