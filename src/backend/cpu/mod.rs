@@ -1,8 +1,8 @@
 //! The reference backend: plain Rust, f32 accumulation, fixed summation order. Rows of a product
-//! are spread over the backend's own threads (`workers`); every output element is computed by one
-//! thread in one order, so results do not depend on the thread count. Block-format weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K,
-//! Q5_K, Q6_K) take integer dot products against an 8-bit copy of the input unless the f32
-//! reference is asked for (`CpuKernels`; see quant::q8dot).
+//! are spread over the backend's own threads (`workers`); every output element is computed by
+//! one thread in one order, so results do not depend on the thread count. Block-format weights
+//! (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) take integer dot products against an 8-bit copy of
+//! the input unless the f32 reference is asked for (`CpuKernels`; see quant::q8dot).
 
 mod workers;
 
@@ -153,7 +153,8 @@ struct Query<'a> {
 fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
     let (d, offset) = (query.q.len(), query.offset);
     scores.clear();
-    // Plain loops, not iterator adapters: a closure would not inherit attend_wide's features.
+    // The products in plain loops, not iterator adapters: a closure would not inherit
+    // attend_wide's features.
     let key = |p: usize| &keys[p * width + offset..][..d];
     let mut p = 0;
     while p + 4 <= query.visible {
