@@ -376,9 +376,9 @@ mod x86 {
                 block[r] = &rows[r][b * bytes..][..bytes];
                 if T == 1 {
                     // Decode reads each row once: the rows two tiles on (in a matrix's usual
-                    // layout) are fetched while these are summed, as rows are too short for the
+                    // layout) are fetched while these are summed, every cache line of their
+                    // block (a k-quant block spans three or four), as rows are too short for the
                     // hardware to see a stream. (Prefill reuses a row from L1 for every token.)
-                    // Every cache line of a block (a k-quant block spans three or four).
                     let ahead = block[r].as_ptr().wrapping_add(2 * R * rows[r].len());
                     for line in (0..bytes).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
