@@ -434,9 +434,10 @@ impl Backend for CpuBackend {
                 }
             });
         }
-        let mut out = out_t;
-        if t > 1 {
-            let out_t = std::mem::replace(&mut out, vec![0f32; t * n]);
+        let mut out = if t == 1 {
+            out_t
+        } else {
+            let mut out = vec![0f32; t * n];
             // Sixteen tokens a task: each weight row's sixteen outputs are one cache line of out_t.
             self.workers.for_each(&mut out.chunks_mut(16 * n).collect::<Vec<_>>(), || (), |_, chunk, rows| {
                 let first = chunk * 16;
@@ -446,7 +447,8 @@ impl Backend for CpuBackend {
                     }
                 }
             });
-        }
+            out
+        };
         if let Some(b) = bias {
             for row in out.chunks_exact_mut(n) {
                 for (v, bv) in row.iter_mut().zip(&b.data) {
