@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::quant::BlockBytes;
+use crate::quant::{BlockBytes, BlockSource};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"GGUF";
@@ -326,6 +326,18 @@ impl AsRef<[u8]> for Backing {
     }
 }
 
+impl BlockSource for Backing {
+    fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Backing::Mmap(m) = self {
+            // SAFETY: the map is a read-only view of the file: pages dropped are read back from
+            // the file on the next access, with the same bytes, so no reference into the map
+            // sees a change. The advice only saves memory; its failure changes nothing.
+            let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
+        }
+    }
+}
+
 /// A parsed GGUF file; tensor data stays in the map until asked for.
 pub struct GgufFile {
     path: PathBuf,
@@ -442,6 +454,12 @@ impl GgufFile {
     /// The raw bytes of a tensor of this file.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         &self.data.bytes()[t.start..t.end]
+    }
+
+    /// Once a tensor's bytes have been copied: its pages of the mapping need not stay resident
+    /// (a touch of a small tensor can map a whole huge page of its neighbours).
+    pub fn release(&self, t: &TensorInfo) {
+        self.data.release(t.start..t.end);
     }
 
     /// `bytes` (a slice of this file's data, as `tensor_data` gives) as blocks that share the

@@ -957,6 +957,7 @@ impl WeightSource for GgufStore {
         for (r, row) in out.chunks_exact_mut(cols).enumerate() {
             m.dequant_row(r, row);
         }
+        self.file.release(t);
         self.fix_values(name, t, &mut out)?;
         Ok(out)
     }
@@ -969,6 +970,7 @@ impl WeightSource for GgufStore {
         let m = self.decode(name, t, 1, len, Cow::Borrowed(self.file.tensor_data(t)))?;
         let mut v = vec![0f32; len];
         m.dequant_row(0, &mut v);
+        self.file.release(t);
         let mut v = match order {
             None => v,
             Some(p) => p.iter().map(|&src| v[src]).collect(),

@@ -412,10 +412,25 @@ fn iq4_xs(b: &[u8], y: &mut [f32]) {
 #[derive(Clone)]
 pub enum BlockBytes {
     Owned(Vec<u8>),
-    Shared { source: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize> },
+    Shared { source: Arc<dyn BlockSource>, range: Range<usize> },
+}
+
+/// Bytes that blocks can share without a copy: a file's mapping, or memory.
+pub trait BlockSource: AsRef<[u8]> + Send + Sync {
+    /// Lets the OS drop `range`'s pages from this process's memory where the file can give them
+    /// back on the next read (a mapping); memory keeps its bytes.
+    fn release(&self, _range: Range<usize>) {}
 }
 
 impl BlockBytes {
+    /// Once bytes `part` of these blocks have been copied into another layout: their pages of a
+    /// mapped file need not stay resident (they would count against the process twice).
+    pub fn release(&self, part: Range<usize>) {
+        if let BlockBytes::Shared { source, range } = self {
+            source.release(range.start + part.start..range.start + part.end.min(range.len()));
+        }
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         match self {
             BlockBytes::Owned(bytes) => bytes,
@@ -486,6 +501,11 @@ impl GgmlMatrix {
 
     pub fn row_bytes(&self) -> usize {
         self.row_bytes
+    }
+
+    /// See `BlockBytes::release`: the pages of these rows.
+    pub fn release_rows(&self, rows: Range<usize>) {
+        self.data.release(rows.start * self.row_bytes..rows.end * self.row_bytes);
     }
 }
 

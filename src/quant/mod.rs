@@ -8,11 +8,12 @@ pub mod fp8;
 mod ggml;
 mod kquant;
 pub mod packed;
+pub mod interleaved;
 pub mod q8dot;
 pub mod synthetic;
 
 pub use dense::{DenseMatrix, DenseData};
-pub use ggml::{BlockBytes, GgmlFormat, GgmlMatrix};
+pub use ggml::{BlockBytes, BlockSource, GgmlFormat, GgmlMatrix};
 
 /// Element types a weight can be stored in.
 #[allow(non_camel_case_types)]
@@ -89,6 +90,10 @@ pub trait QuantMatrix: Send + Sync + std::fmt::Debug {
     }
     /// The GGML blocks themselves, for backends that keep them packed (see [`packed`]).
     fn as_ggml(&self) -> Option<&GgmlMatrix> {
+        None
+    }
+    /// GGML blocks repacked for the CPU's integer kernels.
+    fn as_interleaved(&self) -> Option<&interleaved::InterleavedMatrix> {
         None
     }
     /// An NVFP4 safetensors matrix, likewise.

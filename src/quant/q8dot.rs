@@ -1,32 +1,34 @@
 //! The CPU's fast products for block formats: the input is quantised once to 8 bits in blocks of
-//! 32 values (a scale each, and the scaled sum of its codes, as ggml's Q8_1), and each 32-value
-//! piece of a weight row meets its input block in exact integer sums. A piece gives eight partial
-//! sums (four products each, the lanes of an AVX2 register), scaled and added in f32 (a multiply
-//! then an add: a fused one would need the scalar kernel's `mul_add`, which MinGW's libm does not
-//! fuse) into eight accumulators, which meet in a fixed tree at the end of the row;
-//! formats with an offset (Q4_1's m, the k-quants' minimums) add it times the input block's sum.
-//! The scalar and SIMD kernels (AVX2's byte multiplies, AVX-512 VNNI's dot instructions) do the
-//! same arithmetic in the same order, so all give the same bits (tested). Several rows share each
-//! load of an input block and several tokens each piece's decoding (tiles). The f32 reference (`QuantMatrix::dequant_row` and `quant::dot`)
-//! stays the oracle these are held to.
+//! 32 values (a scale each, the scaled sum of its codes as ggml's Q8_1, and the code sums of its
+//! halves), and each 32-value piece of a weight row meets its input block in exact integer sums.
+//! The weights are repacked in groups of eight rows (`interleaved`), so each instruction adds
+//! four products to each of eight rows' sums and a group's results come out as one vector.
 //!
-//! Pieces of ggml's layouts (value = scale · code + offset): Q8_0 = f16 d, 32 × i8 codes;
-//! Q4_0 = f16 d, 16 bytes of nibbles (low nibble = value j, high = value j + 16), code = q − 8;
-//! Q4_1 = the same nibbles after f16 d and m; Q4_K and Q5_K = eight pieces per 256 (6-bit scales
-//! and minimums, code = nibble, plus a fifth bit from qh); Q6_K = eight pieces per 256, a scale
-//! for each 16 values (hence two per piece, for lanes 0-3 and 4-7), code = 6 bits − 32.
+//! The arithmetic, which every kernel follows (scalar, AVX2's byte multiplies, AVX-512 VNNI's
+//! dot instructions), so that all give the same bits (tested): for each piece of a row, in order,
+//! the integer sum S = Σ (u − bias) · q over its 32 values (over each half apart in Q6_K, whose
+//! halves scale differently), then `acc += (scale · d_x) · S` in f32 (a multiply then an add: a
+//! fused one would need the scalar kernel's `mul_add`, which MinGW's libm does not fuse); formats
+//! with an offset (Q4_1's m, the k-quants' minimums) add `offset · sum_x` into a second
+//! accumulator, added to the first at the end. A product's bits do not depend on which rows or
+//! tokens share its call. The f32 reference (`QuantMatrix::dequant_row` and `quant::dot`) stays
+//! the oracle these are held to.
 
-use super::ggml::scale_min_k4;
+use std::ops::Range;
+
+use super::interleaved::{bias, code, has_offset, layout, piece_scales, pieces_per_block, InterleavedMatrix, GROUP};
 use super::GgmlFormat;
 
 /// Values per input block.
 pub const Q8_BLOCK: usize = 32;
 
-/// 32 input values as `d · qs[i]`; `sum` = `d · Σ qs` (Q4_1's offset term needs it).
+/// 32 input values as `d · qs[i]`; `sum` = `d · Σ qs` (the offset term needs it); `halves` =
+/// Σ qs over values 0..16 and 16..32 (the stored codes' bias is removed through them).
 #[derive(Debug, Clone, Copy)]
 pub struct Q8Block {
     pub d: f32,
     pub sum: f32,
+    pub halves: [i32; 2],
     pub qs: [i8; Q8_BLOCK],
 }
 
@@ -43,8 +45,9 @@ pub fn quantize_input(x: &[f32], out: &mut Vec<Q8Block>) {
         for (q, v) in qs.iter_mut().zip(values) {
             *q = round_half_away(v * inverse) as i8;
         }
-        let codes: i32 = qs.iter().map(|&q| i32::from(q)).sum();
-        Q8Block { d, sum: d * codes as f32, qs }
+        let half = |h: usize| qs[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum::<i32>();
+        let halves = [half(0), half(1)];
+        Q8Block { d, sum: d * (halves[0] + halves[1]) as f32, halves, qs }
     }));
 }
 
@@ -63,8 +66,7 @@ pub enum DotKernel {
     Scalar,
     /// x86-64 with AVX2 and F16C (checked at run time).
     Avx2,
-    /// x86-64 with AVX-512 VNNI and VL besides: `vpdpbusd` on 256-bit registers, 32 of them, so
-    /// prefill tiles are four rows by four tokens.
+    /// x86-64 with AVX-512 VNNI and VL besides: `vpdpbusd` on 256-bit registers.
     Avx512Vnni,
 }
 
@@ -97,169 +99,69 @@ impl DotKernel {
     }
 }
 
-/// The formats `dot_rows` takes.
-const FORMATS: [GgmlFormat; 6] = [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K];
-
-/// Whether `dot_rows` takes this format.
-pub fn supports(format: GgmlFormat) -> bool {
-    FORMATS.contains(&format)
-}
-
-/// `out[r · T + i]` = weight row `rows[r]` (whole blocks of `format`, 32 values for each of an
-/// input's blocks) times `inputs[i]`, for T = `inputs.len()` tokens. `format` must be one
-/// `supports` takes; `kernel` one `DotKernel::detect` allows on this CPU. Each output is summed
-/// in the same order whichever rows and tokens share the call.
-pub fn dot_rows(kernel: DotKernel, format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-    debug_assert!(supports(format) && rows.len() * inputs.len() == out.len());
-    debug_assert!(rows.iter().all(|row| inputs.iter().all(|x| row.len() * format.block_size() == x.len() * Q8_BLOCK * format.block_bytes())));
+/// `out[(g − groups.start) · 8T + 8i + r]` = row 8g + r of `m` times `inputs[i]`, for T =
+/// `inputs.len()` tokens (each 32 values for each of a row's pieces); `kernel` one
+/// `DotKernel::detect` allows on this CPU.
+pub fn dot_groups(kernel: DotKernel, m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    debug_assert_eq!(out.len(), groups.len() * inputs.len() * GROUP);
+    debug_assert!(inputs.iter().all(|x| x.len() * Q8_BLOCK == super::QuantMatrix::cols(m)));
     match kernel {
-        DotKernel::Scalar => scalar::dot_rows(format, rows, inputs, out),
+        DotKernel::Scalar => scalar::dot_groups(m, groups, inputs, out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: DotKernel::Avx2 is only chosen where AVX2 and F16C are detected.
-        DotKernel::Avx2 => unsafe { x86::dot_rows_avx2(format, rows, inputs, out) },
+        DotKernel::Avx2 => unsafe { x86::dot_groups_avx2(m, groups, inputs, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: DotKernel::Avx512Vnni is only chosen where all its features are detected.
-        DotKernel::Avx512Vnni => unsafe { x86::dot_rows_vnni(format, rows, inputs, out) },
+        DotKernel::Avx512Vnni => unsafe { x86::dot_groups_vnni(m, groups, inputs, out) },
         #[cfg(not(target_arch = "x86_64"))]
-        DotKernel::Avx2 | DotKernel::Avx512Vnni => scalar::dot_rows(format, rows, inputs, out),
+        DotKernel::Avx2 | DotKernel::Avx512Vnni => scalar::dot_groups(m, groups, inputs, out),
     }
-}
-
-/// The f16 at the start of `bytes`, widened (exactly, as `half::f16::to_f32`, without its run-time
-/// dispatch).
-#[inline(always)]
-fn half(bytes: &[u8]) -> f32 {
-    let h = u32::from(u16::from_le_bytes([bytes[0], bytes[1]]));
-    let (sign, exponent, mantissa) = ((h & 0x8000) << 16, (h >> 10) & 31, h & 0x3ff);
-    let magnitude = match exponent {
-        0 => (mantissa as f32 * (1.0 / 16_777_216.0)).to_bits(),
-        31 => 0x7f80_0000 | (mantissa << 13),
-        _ => ((exponent + 112) << 23) | (mantissa << 13),
-    };
-    f32::from_bits(sign | magnitude)
-}
-
-/// Where a block's two f16 fields lie: its scale d, and Q4_1's m or the k-quants' dmin (formats
-/// without a second field name the first twice).
-#[inline(always)]
-fn halves_at(format: GgmlFormat) -> [usize; 2] {
-    match format {
-        GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => [0, 2],
-        GgmlFormat::Q6_K => [208, 208],
-        _ => [0, 0],
-    }
-}
-
-/// How one 32-value piece scales: `scales[0]` for its first 16 values, `scales[1]` for the rest;
-/// `offset` is added to every value (its product is `offset` times the input block's sum).
-struct Piece {
-    scales: [f32; 2],
-    offset: f32,
-}
-
-/// Pieces (of 32 values) in one block of the format.
-#[inline(always)]
-fn pieces_per_block(format: GgmlFormat) -> usize {
-    format.block_size() / Q8_BLOCK
-}
-
-#[inline(always)]
-fn has_offset(format: GgmlFormat) -> bool {
-    matches!(format, GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K)
-}
-
-/// Whether the format's codes are signed (else unsigned, below 128).
-#[inline(always)]
-fn signed(format: GgmlFormat) -> bool {
-    matches!(format, GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q6_K)
-}
-
-/// Piece `k` of a block whose f16 fields (at `halves_at`) widen to `halves`: its scales and offset.
-#[inline(always)]
-fn piece(format: GgmlFormat, block: &[u8], halves: [f32; 2], k: usize) -> Piece {
-    let one = |scale: f32, offset: f32| Piece { scales: [scale, scale], offset };
-    match format {
-        GgmlFormat::Q4_1 => one(halves[0], halves[1]),
-        GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
-            let (sc, m) = scale_min_k4(k, &block[4..16]);
-            one(halves[0] * sc as f32, -(halves[1] * m as f32))
-        }
-        GgmlFormat::Q6_K => {
-            let sc = &block[192 + 8 * (k / 4) + 2 * (k % 4)..];
-            Piece { scales: [halves[0] * (sc[0] as i8) as f32, halves[0] * (sc[1] as i8) as f32], offset: 0.0 }
-        }
-        _ => one(halves[0], 0.0),
-    }
-}
-
-/// The eight accumulators' total, in the order the AVX2 kernel adds them.
-#[inline(always)]
-fn tree(a: [f32; 8]) -> f32 {
-    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
 mod scalar {
-    use super::{half, halves_at, has_offset, piece, pieces_per_block, tree, GgmlFormat, Piece, Q8Block};
+    use super::{bias, code, has_offset, layout, piece_scales, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP};
+    use crate::quant::interleaved::group_block_bytes;
 
-    pub fn dot_rows(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        let (per_block, bytes, at) = (pieces_per_block(format), format.block_bytes(), halves_at(format));
-        for (row, out) in rows.iter().zip(out.chunks_exact_mut(inputs.len().max(1))) {
-            for (x, o) in inputs.iter().zip(out) {
-                let (mut acc, mut offsets) = ([0f32; 8], 0f32);
-                for (p, x) in x.iter().enumerate() {
-                    let (block, k) = (&row[p / per_block * bytes..][..bytes], p % per_block);
-                    let w = codes(format, block, k);
-                    let Piece { scales, offset } = piece(format, block, [half(&block[at[0]..]), half(&block[at[1]..])], k);
-                    let scaled = [scales[0] * x.d, scales[1] * x.d];
-                    for (lane, a) in acc.iter_mut().enumerate() {
-                        let sum: i32 = (4 * lane..4 * lane + 4).map(|j| w[j] * i32::from(x.qs[j])).sum();
-                        *a += scaled[lane / 4] * sum as f32;
-                    }
-                    if has_offset(format) {
-                        offsets += offset * x.sum;
-                    }
+    pub fn dot_groups(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        for (g, out) in groups.zip(out.chunks_exact_mut(inputs.len() * GROUP)) {
+            for (x, out) in inputs.iter().zip(out.chunks_exact_mut(GROUP)) {
+                for (r, o) in out.iter_mut().enumerate() {
+                    *o = row_dot(m.format(), m.group(g), r, x);
                 }
-                *o = tree(acc) + offsets;
             }
         }
     }
 
-    /// Piece `k` of a block: its 32 integer codes.
-    fn codes(format: GgmlFormat, block: &[u8], k: usize) -> [i32; 32] {
-        let mut w = [0i32; 32];
-        match format {
-            GgmlFormat::Q8_0 => {
-                for (w, &b) in w.iter_mut().zip(&block[2..34]) {
-                    *w = i32::from(b as i8);
+    /// Row `r` of a group times one token, in the module's arithmetic.
+    fn row_dot(format: GgmlFormat, group: &[u8], r: usize, x: &[Q8Block]) -> f32 {
+        let (header_bytes, piece_bytes) = layout(format);
+        let (per_block, bias) = (pieces_per_block(format), bias(format));
+        let (mut acc, mut offsets) = (0f32, 0f32);
+        for (b, block) in group.chunks_exact(group_block_bytes(format)).enumerate() {
+            let (header, pieces) = block.split_at(header_bytes);
+            for (k, piece) in pieces.chunks_exact(piece_bytes).enumerate() {
+                let x = &x[b * per_block + k];
+                let (first, second, offset) = piece_scales(format, header, r, k);
+                let half = |h: usize| -> i32 {
+                    let products: i32 = (16 * h..16 * h + 16).map(|j| i32::from(code(format, piece, r, j)) * i32::from(x.qs[j])).sum();
+                    products - bias * x.halves[h]
+                };
+                if format == GgmlFormat::Q6_K {
+                    acc += (first * x.d) * half(0) as f32;
+                    acc += (second * x.d) * half(1) as f32;
+                } else {
+                    acc += (first * x.d) * (half(0) + half(1)) as f32;
                 }
-            }
-            GgmlFormat::Q4_0 | GgmlFormat::Q4_1 => {
-                let (nibbles, shift) = if format == GgmlFormat::Q4_0 { (&block[2..18], -8) } else { (&block[4..20], 0) };
-                for (j, &c) in nibbles.iter().enumerate() {
-                    w[j] = i32::from(c & 15) + shift;
-                    w[j + 16] = i32::from(c >> 4) + shift;
-                }
-            }
-            GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
-                let (qs, qh) = if format == GgmlFormat::Q4_K { (&block[16..144], None) } else { (&block[48..176], Some(&block[16..48])) };
-                for (l, w) in w.iter_mut().enumerate() {
-                    let byte = qs[32 * (k / 2) + l];
-                    let nibble = if k.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
-                    let fifth = qh.map_or(0, |qh| ((qh[l] >> k) & 1) << 4);
-                    *w = i32::from(nibble | fifth);
-                }
-            }
-            _ => {
-                let (n, part) = (k / 4, k % 4);
-                for (l, w) in w.iter_mut().enumerate() {
-                    let byte = block[64 * n + 32 * (part % 2) + l];
-                    let nibble = if part < 2 { byte & 15 } else { byte >> 4 };
-                    let high = (block[128 + 32 * n + l] >> (2 * part)) & 3;
-                    *w = i32::from(nibble | (high << 4)) - 32;
+                if has_offset(format) {
+                    offsets += offset * x.sum;
                 }
             }
         }
-        w
+        if has_offset(format) {
+            acc + offsets
+        } else {
+            acc
+        }
     }
 }
 
@@ -267,239 +169,213 @@ mod scalar {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{halves_at, has_offset, piece, pieces_per_block, signed, GgmlFormat, Piece, Q8Block, FORMATS};
+    use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP};
+    use crate::quant::interleaved::{group_block_bytes, FORMATS};
 
-    /// Weight rows that share each load of an input block (with VNNI always, with plain AVX2 in
-    /// decode): one accumulator chain each, so the adds overlap.
-    const ROWS: usize = 4;
-    /// Tokens that share one decoding of a weight piece (prefill).
+    /// Tokens that share one decoding of a group's piece (prefill).
     const TOKENS: usize = 4;
 
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot_rows_avx2(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        // Sixteen registers hold a tile of one row by four tokens in prefill, four rows by one in
-        // decode.
+    pub unsafe fn dot_groups_avx2(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the features of this function, which the inlined body uses.
-        unsafe { by_format::<false>(format, rows, inputs, out) }
+        unsafe { by_format::<false>(m, groups, inputs, out) }
     }
 
     /// # Safety
     /// The CPU must support AVX2, F16C, AVX-512 F and VL, and AVX-512 VNNI.
     #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn dot_rows_vnni(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
-        // 32 registers hold a tile of four rows by four tokens.
+    pub unsafe fn dot_groups_vnni(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the features of this function, which the inlined body uses.
-        unsafe { by_format::<true>(format, rows, inputs, out) }
+        unsafe { by_format::<true>(m, groups, inputs, out) }
     }
 
     /// One copy of the loops per format, its decoding resolved at compile time.
     #[inline(always)]
-    unsafe fn by_format<const VNNI: bool>(format: GgmlFormat, rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    unsafe fn by_format<const VNNI: bool>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the caller's target features, which grid's inlined body uses.
         unsafe {
-            match FORMATS.iter().position(|&f| f == format) {
-                Some(0) => grid::<0, VNNI>(rows, inputs, out),
-                Some(1) => grid::<1, VNNI>(rows, inputs, out),
-                Some(2) => grid::<2, VNNI>(rows, inputs, out),
-                Some(3) => grid::<3, VNNI>(rows, inputs, out),
-                Some(4) => grid::<4, VNNI>(rows, inputs, out),
-                _ => grid::<5, VNNI>(rows, inputs, out),
+            match FORMATS.iter().position(|&f| f == m.format()) {
+                Some(0) => grid::<0, VNNI>(m, groups, inputs, out),
+                Some(1) => grid::<1, VNNI>(m, groups, inputs, out),
+                Some(2) => grid::<2, VNNI>(m, groups, inputs, out),
+                Some(3) => grid::<3, VNNI>(m, groups, inputs, out),
+                Some(4) => grid::<4, VNNI>(m, groups, inputs, out),
+                _ => grid::<5, VNNI>(m, groups, inputs, out),
             }
         }
     }
 
-    /// Cuts rows × tokens into tiles: `ROWS` rows (one with plain AVX2 in prefill) by `TOKENS`
-    /// tokens, or by one token in decode; rows and tokens left over go in thinner tiles.
-    /// Inlined into the callers above, whose target features its intrinsics need (a function
-    /// with target features cannot be inlined, nor generic over them).
+    /// Each group times the tokens, `TOKENS` at a time (the group's blocks stay in L1 while the
+    /// inputs stream past), tokens left over one by one. Inlined into the callers above, whose
+    /// target features its intrinsics need (a function with target features cannot be
+    /// inlined, nor generic over them).
     #[inline(always)]
-    unsafe fn grid<const F: usize, const VNNI: bool>(rows: &[&[u8]], inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+    unsafe fn grid<const F: usize, const VNNI: bool>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         let t = inputs.len();
-        let token_groups = if t < TOKENS { 0 } else { t / TOKENS };
-        let row_tile = if VNNI || token_groups == 0 { ROWS } else { 1 };
-        // (first token, tokens) of each tile along a band of rows.
-        let groups = (0..token_groups).map(|g| (g * TOKENS, TOKENS)).chain((token_groups * TOKENS..t).map(|i| (i, 1)));
-        let mut r = 0;
-        while r < rows.len() {
-            let band = if r + row_tile <= rows.len() { row_tile } else { 1 };
-            for (first, width) in groups.clone() {
-                let x = &inputs[first..][..width];
-                let mut values = [0f32; ROWS * TOKENS];
-                let values = &mut values[..band * width];
-                // SAFETY: the caller's target features, which tile's inlined body uses.
+        for (g, out) in groups.zip(out.chunks_exact_mut(t * GROUP)) {
+            let group = m.group(g);
+            let mut i = 0;
+            while i < t {
+                // SAFETY: the caller's target features, which tile's inlined body uses; each
+                // store writes the eight floats of one token's slot.
                 unsafe {
-                    match (band, width) {
-                        (ROWS, TOKENS) => values.copy_from_slice(tile::<F, VNNI, ROWS, TOKENS>(&rows[r..], x).as_flattened()),
-                        (ROWS, _) => values.copy_from_slice(tile::<F, VNNI, ROWS, 1>(&rows[r..], x).as_flattened()),
-                        (_, TOKENS) => values.copy_from_slice(tile::<F, VNNI, 1, TOKENS>(&rows[r..], x).as_flattened()),
-                        _ => values.copy_from_slice(tile::<F, VNNI, 1, 1>(&rows[r..], x).as_flattened()),
+                    if i + TOKENS <= t {
+                        let sums = tile::<F, VNNI, TOKENS>(group, &inputs[i..i + TOKENS]);
+                        for (j, v) in sums.into_iter().enumerate() {
+                            _mm256_storeu_ps(out[(i + j) * GROUP..][..GROUP].as_mut_ptr(), v);
+                        }
+                        i += TOKENS;
+                    } else {
+                        let [v] = tile::<F, VNNI, 1>(group, &inputs[i..i + 1]);
+                        _mm256_storeu_ps(out[i * GROUP..][..GROUP].as_mut_ptr(), v);
+                        i += 1;
                     }
                 }
-                for (j, v) in values.chunks_exact(width).enumerate() {
-                    out[(r + j) * t + first..][..width].copy_from_slice(v);
-                }
             }
-            r += band;
         }
     }
 
-    /// The first R rows of `rows` times T tokens (`inputs.len()` = T), each product in its own
-    /// accumulators. A block's f16 fields are widened once for all its pieces. With VNNI the
-    /// codes are biased to unsigned bytes for `dpbusd`, which starts from −bias · Σ input codes
-    /// so that the lanes hold exactly the sums the sign trick of plain AVX2 gives.
+    /// A group's eight rows times T tokens (`inputs.len()` = T): a vector of eight rows' products
+    /// for each token. With VNNI, `dpbusd` takes the stored codes as they are and its sums start
+    /// from −bias · Σ q; plain AVX2's `maddubs` would overflow on Q8_0's (up to 255 · 127 twice),
+    /// so it takes them signed again, by the sign trick, from zero.
     #[inline(always)]
-    unsafe fn tile<const F: usize, const VNNI: bool, const R: usize, const T: usize>(rows: &[&[u8]], inputs: &[Vec<Q8Block>]) -> [[f32; T]; R] {
+    unsafe fn tile<const F: usize, const VNNI: bool, const T: usize>(group: &[u8], inputs: &[Vec<Q8Block>]) -> [__m256; T] {
         let format = FORMATS[F];
-        let (signed, offsets_too, per_block, bytes, at) = (signed(format), has_offset(format), pieces_per_block(format), format.block_bytes(), halves_at(format));
-        let inputs: &[Vec<Q8Block>; T] = inputs.try_into().expect("T tokens");
-        let blocks = inputs[0].len() / per_block;
-        let bias_shift = match format {
-            GgmlFormat::Q8_0 => 7,
-            GgmlFormat::Q4_0 => 3,
-            _ => 5,
-        };
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        // Each row's offsets for the T tokens, one lane a token (T ≤ 4).
-        let mut offsets = [_mm_setzero_ps(); R];
-        // Plain loops, not array::from_fn: closures would not inherit the caller's target
-        // features and stay uninlined calls.
-        let mut block: [&[u8]; R] = [&[]; R];
-        let mut scales = [BlockScales { first: [0.0; 8], second: [0.0; 8], offset: [0.0; 8] }; R];
-        let mut q = [_mm256_setzero_si256(); T];
-        let mut start = [_mm256_setzero_si256(); T];
-        let mut input_scale = [_mm256_setzero_ps(); T];
-        let mut input_sums = [0f32; 4];
-        for b in 0..blocks {
-            for r in 0..R {
-                block[r] = &rows[r][b * bytes..][..bytes];
-                if T == 1 {
-                    // Decode reads each row once: the rows two tiles on (in a matrix's usual
-                    // layout) are fetched while these are summed, every cache line of their
-                    // block (a k-quant block spans three or four), as rows are too short for the
-                    // hardware to see a stream. (Prefill reuses a row from L1 for every token.)
-                    let ahead = block[r].as_ptr().wrapping_add(2 * R * rows[r].len());
-                    for line in (0..bytes).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-                    }
-                }
-                // SAFETY: F16C and AVX2, as the caller.
-                scales[r] = unsafe { block_scales(format, block[r], widen(block[r], at)) };
-            }
-            for k in 0..per_block {
-                let p = b * per_block + k;
-                for i in 0..T {
-                    let x = &inputs[i][p];
-                    // SAFETY: `qs` is 32 bytes; unaligned load.
-                    q[i] = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
-                    input_scale[i] = _mm256_set1_ps(x.d);
-                    input_sums[i] = x.sum;
-                    if VNNI && signed {
-                        // SAFETY: AVX-512 VNNI and VL, as the caller.
-                        let lane_sums = unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q[i]) };
-                        start[i] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_sll_epi32(lane_sums, _mm_cvtsi32_si128(bias_shift)));
-                    }
-                }
-                for r in 0..R {
-                    // SAFETY: AVX2, as the caller; the block has its format's bytes.
-                    let w = unsafe { codes::<VNNI>(format, block[r], k) };
-                    // maddubs multiplies unsigned by signed bytes: |w| by q with w's sign.
-                    let magnitude = if signed && !VNNI { _mm256_sign_epi8(w, w) } else { w };
-                    let (first, second, offset) = (scales[r].first[k], scales[r].second[k], scales[r].offset[k]);
-                    let row_scale = if format == GgmlFormat::Q6_K { _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first)) } else { _mm256_set1_ps(first) };
+        let (header_bytes, piece_bytes) = layout(format);
+        let (per_block, bias, offsets_too) = (pieces_per_block(format), bias(format), has_offset(format));
+        let signed_q8 = format == GgmlFormat::Q8_0 && !VNNI;
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut offsets = [_mm256_setzero_ps(); T];
+        for (b, block) in group.chunks_exact(group_block_bytes(format)).enumerate() {
+            let (header, pieces) = block.split_at(header_bytes);
+            // SAFETY: F16C and AVX2, as the caller; the header holds each field read.
+            unsafe {
+                let d = halves(&header[..16]);
+                let second = if offsets_too { halves(&header[16..32]) } else { d };
+                for k in 0..per_block {
+                    let (first_scale, second_scale, offset) = match format {
+                        GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
+                            let scale = _mm256_mul_ps(d, bytes(&header[32 + 8 * k..], false));
+                            let minimum = _mm256_mul_ps(second, bytes(&header[96 + 8 * k..], false));
+                            (scale, scale, _mm256_xor_ps(minimum, _mm256_set1_ps(-0.0)))
+                        }
+                        GgmlFormat::Q6_K => (_mm256_mul_ps(d, bytes(&header[16 + 16 * k..], true)), _mm256_mul_ps(d, bytes(&header[24 + 16 * k..], true)), d),
+                        _ => (d, d, second),
+                    };
+                    let (low, high) = codes(format, &pieces[k * piece_bytes..][..piece_bytes]);
                     for i in 0..T {
-                        let lanes = if VNNI {
-                            // SAFETY: AVX-512 VNNI and VL, as the caller.
-                            unsafe { _mm256_dpbusd_epi32(start[i], w, q[i]) }
+                        let x = &inputs[i][b * per_block + k];
+                        let input_scale = _mm256_set1_ps(x.d);
+                        let start = |h: usize| _mm256_set1_epi32(-bias * x.halves[h]);
+                        if format == GgmlFormat::Q6_K {
+                            let first = sums::<VNNI, false>(start(0), &low, &x.qs[..16]);
+                            let second = sums::<VNNI, false>(start(1), &high, &x.qs[16..]);
+                            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(first_scale, input_scale), _mm256_cvtepi32_ps(first)));
+                            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(second_scale, input_scale), _mm256_cvtepi32_ps(second)));
                         } else {
-                            let q = if signed { _mm256_sign_epi8(q[i], w) } else { q[i] };
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, q), _mm256_set1_epi16(1))
-                        };
-                        let scale = _mm256_mul_ps(row_scale, input_scale[i]);
-                        acc[r][i] = _mm256_add_ps(acc[r][i], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes)));
-                    }
-                    if offsets_too {
-                        let sums = _mm_loadu_ps(input_sums.as_ptr());
-                        offsets[r] = _mm_add_ps(offsets[r], _mm_mul_ps(_mm_set1_ps(offset), sums));
+                            let all = if signed_q8 {
+                                sums::<false, true>(sums::<false, true>(_mm256_setzero_si256(), &low, &x.qs[..16]), &high, &x.qs[16..])
+                            } else {
+                                let both = _mm256_set1_epi32(-bias * (x.halves[0] + x.halves[1]));
+                                sums::<VNNI, false>(sums::<VNNI, false>(both, &low, &x.qs[..16]), &high, &x.qs[16..])
+                            };
+                            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(first_scale, input_scale), _mm256_cvtepi32_ps(all)));
+                        }
+                        if offsets_too {
+                            offsets[i] = _mm256_add_ps(offsets[i], _mm256_mul_ps(offset, _mm256_set1_ps(x.sum)));
+                        }
                     }
                 }
             }
         }
-        let mut out = [[0f32; T]; R];
-        for r in 0..R {
-            let mut lanes = [0f32; 4];
-            // SAFETY: SSE, as the caller; four floats.
-            unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), offsets[r]) };
+        if offsets_too {
             for i in 0..T {
-                // SAFETY: AVX, as the caller.
-                out[r][i] = unsafe { horizontal(acc[r][i]) } + lanes[i];
+                acc[i] = _mm256_add_ps(acc[i], offsets[i]);
             }
         }
-        out
+        acc
     }
 
-    /// Every piece of a block as `piece` gives it: the scales of its halves and its offset.
-    #[derive(Clone, Copy)]
-    struct BlockScales {
-        first: [f32; 8],
-        second: [f32; 8],
-        offset: [f32; 8],
-    }
-
-    /// The pieces of a block whose f16 fields widen to `halves`. The k-quants' scales (and Q4_K's
-    /// and Q5_K's minimums) are unpacked at once and scaled in one vector each (the same
-    /// products as `piece`'s, so the same bits), not one piece at a time.
+    /// `acc` plus, in each row's lane, the products of that row's codes (four a byte lane of
+    /// each of `codes`) with 16 input codes, four broadcast to each lane at a time. SIGNED: the
+    /// codes are Q8_0's, stored plus 128, taken signed by the sign trick (plain AVX2).
     #[inline(always)]
-    unsafe fn block_scales(format: GgmlFormat, block: &[u8], halves: [f32; 2]) -> BlockScales {
-        let mut s = BlockScales { first: [0.0; 8], second: [0.0; 8], offset: [0.0; 8] };
-        if matches!(format, GgmlFormat::Q4_K | GgmlFormat::Q5_K) {
-            // scale_min_k4 for all eight: the low six bits of bytes 0-3 (scales) and 4-7
-            // (minimums), then nibbles of bytes 8-11 topped by the two high bits of 0-3 and 4-7.
-            let word = |i: usize| u32::from_le_bytes([block[i], block[i + 1], block[i + 2], block[i + 3]]);
-            let (w0, w1, w2) = (word(4), word(8), word(12));
-            let low6 = 0x3f3f_3f3f;
-            let scale_codes = u64::from(w0 & low6) | u64::from((w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)) << 32;
-            let min_codes = u64::from(w1 & low6) | u64::from(((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) << 32;
-            // SAFETY: AVX2, as the caller; eight floats each.
+    unsafe fn sums<const VNNI: bool, const SIGNED: bool>(mut acc: __m256i, codes: &[__m256i; 4], x: &[i8]) -> __m256i {
+        assert_eq!(x.len(), 16);
+        for (v, &w) in codes.iter().enumerate() {
+            // SAFETY: four of the sixteen bytes checked above (unaligned read); AVX2 (and VNNI
+            // where VNNI), as the caller.
             unsafe {
-                let scale_codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scale_codes as i64)));
-                let min_codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(min_codes as i64)));
-                let first = _mm256_mul_ps(scale_codes, _mm256_set1_ps(halves[0]));
-                let minimum = _mm256_mul_ps(min_codes, _mm256_set1_ps(halves[1]));
-                _mm256_storeu_ps(s.first.as_mut_ptr(), first);
-                _mm256_storeu_ps(s.second.as_mut_ptr(), first);
-                _mm256_storeu_ps(s.offset.as_mut_ptr(), _mm256_xor_ps(minimum, _mm256_set1_ps(-0.0)));
-            }
-        } else if format == GgmlFormat::Q6_K {
-            // Sixteen signed scales, one per 16 values: the even ones scale each piece's first
-            // half, the odd ones its second.
-            let codes: &[u8; 16] = block[192..208].try_into().expect("sixteen scales");
-            // SAFETY: AVX2, as the caller; sixteen bytes in, eight floats out each.
-            unsafe {
-                let packed = _mm_loadu_si128(codes.as_ptr().cast());
-                let split = _mm_shuffle_epi8(packed, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-                let even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(split));
-                let odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(split)));
-                _mm256_storeu_ps(s.first.as_mut_ptr(), _mm256_mul_ps(even, _mm256_set1_ps(halves[0])));
-                _mm256_storeu_ps(s.second.as_mut_ptr(), _mm256_mul_ps(odd, _mm256_set1_ps(halves[0])));
-            }
-        } else {
-            for k in 0..pieces_per_block(format) {
-                let Piece { scales, offset } = piece(format, block, halves, k);
-                (s.first[k], s.second[k], s.offset[k]) = (scales[0], scales[1], offset);
+                let four = _mm256_set1_epi32(x.as_ptr().add(4 * v).cast::<i32>().read_unaligned());
+                acc = if VNNI {
+                    _mm256_dpbusd_epi32(acc, w, four)
+                } else if SIGNED {
+                    let w = _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN));
+                    let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(four, w));
+                    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+                } else {
+                    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, four), _mm256_set1_epi16(1)))
+                };
             }
         }
-        s
+        acc
     }
 
-    /// A block's two f16 fields (at `at`), widened exactly by the F16C instruction.
+    /// A piece's stored codes as bytes, lane r = row r: four vectors for values 0..16 (four
+    /// a lane each) and four for values 16..32.
+    #[inline(always)]
+    unsafe fn codes(format: GgmlFormat, piece: &[u8]) -> ([__m256i; 4], [__m256i; 4]) {
+        let mut low = [_mm256_setzero_si256(); 4];
+        let mut high = [_mm256_setzero_si256(); 4];
+        // SAFETY: AVX2, as the caller; every load reads within the piece (checked by load).
+        unsafe {
+            for v in 0..4 {
+                if format == GgmlFormat::Q8_0 {
+                    (low[v], high[v]) = (load(&piece[32 * v..]), load(&piece[128 + 32 * v..]));
+                    continue;
+                }
+                let nibbles = load(&piece[32 * v..]);
+                low[v] = _mm256_and_si256(nibbles, _mm256_set1_epi8(15));
+                high[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(nibbles), _mm256_set1_epi8(15));
+                // Shifts of 16-bit lanes: each moves the wanted bits within their own byte.
+                if format == GgmlFormat::Q5_K {
+                    let fifth = load(&piece[128..]);
+                    let up = _mm256_sll_epi16(fifth, _mm_cvtsi32_si128(4 - v as i32));
+                    let down = _mm256_srl_epi16(fifth, _mm_cvtsi32_si128(v as i32));
+                    low[v] = _mm256_or_si256(low[v], _mm256_and_si256(up, _mm256_set1_epi8(0x10)));
+                    high[v] = _mm256_or_si256(high[v], _mm256_and_si256(down, _mm256_set1_epi8(0x10)));
+                } else if format == GgmlFormat::Q6_K {
+                    for (h, codes) in [&mut low, &mut high].into_iter().enumerate() {
+                        let pairs = load(&piece[128 + 32 * h..]);
+                        let moved = if v < 3 { _mm256_sll_epi16(pairs, _mm_cvtsi32_si128(4 - 2 * v as i32)) } else { _mm256_srli_epi16::<2>(pairs) };
+                        codes[v] = _mm256_or_si256(codes[v], _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+                    }
+                }
+            }
+        }
+        (low, high)
+    }
+
+    /// Eight f16 (a row each), widened exactly by the F16C instruction.
     #[inline]
-    #[target_feature(enable = "f16c")]
-    unsafe fn widen(block: &[u8], at: [usize; 2]) -> [f32; 2] {
-        let field = |i: usize| i32::from(u16::from_le_bytes([block[i], block[i + 1]]));
-        let both = _mm_cvtph_ps(_mm_cvtsi32_si128(field(at[0]) | (field(at[1]) << 16)));
-        [_mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both))]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn halves(bytes: &[u8]) -> __m256 {
+        assert!(bytes.len() >= 16);
+        // SAFETY: 16 bytes, checked above.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bytes.as_ptr().cast())) }
+    }
+
+    /// Eight bytes (a row each) as floats, unsigned or signed.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn bytes(bytes: &[u8], signed: bool) -> __m256 {
+        assert!(bytes.len() >= 8);
+        // SAFETY: 8 bytes, checked above.
+        let eight = unsafe { _mm_loadl_epi64(bytes.as_ptr().cast()) };
+        _mm256_cvtepi32_ps(if signed { _mm256_cvtepi8_epi32(eight) } else { _mm256_cvtepu8_epi32(eight) })
     }
 
     /// 32 bytes from `bytes` (unaligned).
@@ -510,77 +386,12 @@ mod x86 {
         // SAFETY: at least 32 bytes, checked above.
         unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
     }
-
-    /// The low (or high) nibble of each byte.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn nibble(bytes: __m256i, high: bool) -> __m256i {
-        let bytes = if high { _mm256_srli_epi16::<4>(bytes) } else { bytes };
-        _mm256_and_si256(bytes, _mm256_set1_epi8(15))
-    }
-
-    /// (byte >> shift) & mask, moved up to bit 4: each code's high bits.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn high_bits(bytes: __m256i, shift: usize, mask: i8) -> __m256i {
-        let moved = _mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift as i32));
-        _mm256_slli_epi16::<4>(_mm256_and_si256(moved, _mm256_set1_epi8(mask)))
-    }
-
-    /// Piece `k` of a block: its 32 codes as bytes, signed where `signed` says so; BIASED: the
-    /// signed ones plus 128 (Q8_0), 8 (Q4_0) or 32 (Q6_K), as unsigned bytes.
-    #[inline(always)]
-    unsafe fn codes<const BIASED: bool>(format: GgmlFormat, block: &[u8], k: usize) -> __m256i {
-        // SAFETY: AVX2, as the caller, for every call below; the slices are the format's
-        // fields, and load and nibbles check their lengths.
-        unsafe {
-            match format {
-                GgmlFormat::Q8_0 if BIASED => _mm256_xor_si256(load(&block[2..34]), _mm256_set1_epi8(i8::MIN)),
-                GgmlFormat::Q8_0 => load(&block[2..34]),
-                GgmlFormat::Q4_0 if BIASED => nibbles(&block[2..18]),
-                GgmlFormat::Q4_0 => _mm256_sub_epi8(nibbles(&block[2..18]), _mm256_set1_epi8(8)),
-                GgmlFormat::Q4_1 => nibbles(&block[4..20]),
-                GgmlFormat::Q4_K => nibble(load(&block[16 + 32 * (k / 2)..]), k % 2 == 1),
-                GgmlFormat::Q5_K => _mm256_or_si256(nibble(load(&block[48 + 32 * (k / 2)..]), k % 2 == 1), high_bits(load(&block[16..48]), k, 1)),
-                _ => {
-                    let (n, part) = (k / 4, k % 4);
-                    let low = nibble(load(&block[64 * n + 32 * (part % 2)..]), part >= 2);
-                    let code = _mm256_or_si256(low, high_bits(load(&block[128 + 32 * n..]), 2 * part, 3));
-                    if BIASED {
-                        code
-                    } else {
-                        _mm256_sub_epi8(code, _mm256_set1_epi8(32))
-                    }
-                }
-            }
-        }
-    }
-
-    /// 16 bytes of nibbles as 32 bytes: the low nibbles (values 0..16), then the high ones.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn nibbles(codes: &[u8]) -> __m256i {
-        assert_eq!(codes.len(), 16);
-        // SAFETY: 16 bytes, checked above.
-        let packed = unsafe { _mm_loadu_si128(codes.as_ptr().cast()) };
-        let low = _mm_and_si128(packed, _mm_set1_epi8(15));
-        let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), _mm_set1_epi8(15));
-        _mm256_set_m128i(high, low)
-    }
-
-    /// The eight lanes' total in `tree`'s order: lanes i and i + 4, then those of 0 and 2, 1 and 3.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn horizontal(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s)))
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::interleaved::FORMATS;
     use crate::quant::{dot, GgmlMatrix, QuantMatrix};
     use crate::sampling::Rng;
     use half::f16;
@@ -606,6 +417,20 @@ mod tests {
         data
     }
 
+    fn quantized(x: &[f32]) -> Vec<Q8Block> {
+        let mut q = Vec::new();
+        quantize_input(x, &mut q);
+        q
+    }
+
+    /// Every row of `m` times every input, as `dot_groups` lays them out, back in [row][token].
+    fn products(kernel: DotKernel, m: &InterleavedMatrix, inputs: &[Vec<Q8Block>]) -> Vec<Vec<f32>> {
+        let t = inputs.len();
+        let mut out = vec![f32::NAN; m.groups() * t * GROUP];
+        dot_groups(kernel, m, 0..m.groups(), inputs, &mut out);
+        (0..m.rows()).map(|r| (0..t).map(|i| out[(r / GROUP) * t * GROUP + i * GROUP + r % GROUP]).collect()).collect()
+    }
+
     #[test]
     fn rounding_halves_away_from_zero() {
         let mut rng = Rng::new(7);
@@ -620,105 +445,55 @@ mod tests {
     }
 
     #[test]
-    fn halves_widen_as_the_half_crate_does() {
-        for bits in 0..=u16::MAX {
-            let want = half::f16::from_bits(bits).to_f32();
-            let got = super::half(&bits.to_le_bytes());
-            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{bits:#06x}: {got} vs {want}");
-        }
-    }
-
-    #[test]
     fn quantised_input_round_trips_within_half_a_step() {
         let mut rng = Rng::new(5);
         let x = random(&mut rng, 96, 3.0);
-        let mut q = Vec::new();
-        quantize_input(&x, &mut q);
-        for (block, values) in q.iter().zip(x.chunks_exact(Q8_BLOCK)) {
+        for (block, values) in quantized(&x).iter().zip(x.chunks_exact(Q8_BLOCK)) {
             assert!(block.qs.iter().any(|&c| c.abs() == 127));
             for (&c, &v) in block.qs.iter().zip(values) {
                 assert!((c as f32 * block.d - v).abs() <= block.d * 0.5 + 1e-6);
             }
-            assert_eq!(block.sum, block.d * block.qs.iter().map(|&c| c as i32).sum::<i32>() as f32);
+            let half = |h: usize| block.qs[16 * h..16 * h + 16].iter().map(|&c| c as i32).sum::<i32>();
+            assert_eq!(block.halves, [half(0), half(1)]);
+            assert_eq!(block.sum, block.d * (half(0) + half(1)) as f32);
         }
-        quantize_input(&[0.0; 32], &mut q);
-        assert_eq!((q[0].d, q[0].qs), (0.0, [0; 32]));
+        let zeros = quantized(&[0.0; 32]);
+        assert_eq!((zeros[0].d, zeros[0].qs, zeros[0].halves), (0.0, [0; 32], [0, 0]));
     }
 
     /// Each format against the f32 reference (dequantised row · x), on random blocks: the only
     /// difference is the input's rounding to 8 bits, at most half a step a value, so the error
-    /// is bounded by Σ |w| · d_x / 2 (plus f32 rounding). Every kernel gives the same bits, and a
-    /// token the same bits alone as among others (six: a group of four and two).
+    /// is bounded by Σ |w| · d_x / 2 (plus f32 rounding); against the rounded input itself only
+    /// f32 rounding is left. Eleven rows (a group and three padded) times 1, 3 and 6 tokens (one
+    /// by one, and a tile of four and two): every kernel gives every product the bits of the
+    /// scalar kernel's on that row and token alone.
     #[test]
-    fn integer_dots_match_the_reference_within_the_input_rounding() {
+    fn integer_dots_match_the_reference_and_each_other() {
         let mut rng = Rng::new(11);
-        let kernels = DotKernel::available();
-        for format in [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K] {
-            assert!(supports(format));
-            for blocks in [1, 3, 6] {
-                let cols = blocks * format.block_size();
-                let m = GgmlMatrix::new(format, 1, cols, random_blocks(&mut rng, format, blocks)).unwrap();
-                let mut w = vec![f32::NAN; cols];
-                m.dequant_row(0, &mut w);
-                let xs: Vec<Vec<f32>> = (0..6).map(|_| random(&mut rng, cols, 2.0)).collect();
-                let inputs: Vec<Vec<Q8Block>> = xs
-                    .iter()
-                    .map(|x| {
-                        let mut q = Vec::new();
-                        quantize_input(x, &mut q);
-                        q
-                    })
-                    .collect();
-                for &kernel in &kernels {
-                    let mut together = vec![f32::NAN; 6];
-                    dot_rows(kernel, format, &[m.row_blocks(0)], &inputs, &mut together);
-                    for (i, (x, q)) in xs.iter().zip(&inputs).enumerate() {
-                        let want = dot(&w, x);
-                        let bound: f32 = w.chunks_exact(Q8_BLOCK).zip(q).map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5).sum();
-                        let magnitude: f32 = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
-                        let got = together[i];
-                        assert!((got - want).abs() <= bound + 1e-5 * magnitude, "{format:?} × {blocks} {kernel:?}: {got} vs {want} (bound {bound})");
-                        // Against the rounded input itself, only f32 rounding is left.
-                        let rounded: Vec<f32> = q.iter().flat_map(|b| b.qs.map(|c| c as f32 * b.d)).collect();
-                        let exact = dot(&w, &rounded);
-                        assert!((got - exact).abs() <= 1e-5 * magnitude, "{format:?} × {blocks} {kernel:?}: {got} vs {exact} on the rounded input");
-                        let mut alone = [f32::NAN];
-                        dot_rows(kernel, format, &[m.row_blocks(0)], std::slice::from_ref(q), &mut alone);
-                        let mut scalar = [f32::NAN];
-                        dot_rows(DotKernel::Scalar, format, &[m.row_blocks(0)], std::slice::from_ref(q), &mut scalar);
-                        assert_eq!((alone[0].to_bits(), scalar[0].to_bits()), (got.to_bits(), got.to_bits()), "{format:?} × {blocks} {kernel:?} token {i}");
-                    }
-                }
-            }
-        }
-    }
-
-    /// Seven rows (a tile of four and three alone) times 1, 3 and 6 tokens (one by one, and a
-    /// group of four and two): every product has the bits of the scalar kernel's on that row
-    /// and token alone.
-    #[test]
-    fn tiles_of_rows_and_tokens_give_each_product_the_bits_it_has_alone() {
-        let mut rng = Rng::new(23);
         for format in FORMATS {
-            let (rows, cols) = (7, 2 * format.block_size().max(64));
-            let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
-            let row_blocks: Vec<&[u8]> = (0..rows).map(|r| m.row_blocks(r)).collect();
-            for tokens in [1, 3, 6] {
-                let inputs: Vec<Vec<Q8Block>> = (0..tokens)
-                    .map(|_| {
-                        let mut q = Vec::new();
-                        quantize_input(&random(&mut rng, cols, 2.0), &mut q);
-                        q
-                    })
-                    .collect();
-                for kernel in DotKernel::available() {
-                    let mut out = vec![f32::NAN; rows * tokens];
-                    dot_rows(kernel, format, &row_blocks, &inputs, &mut out);
-                    for (r, row) in row_blocks.iter().enumerate() {
-                        for (i, x) in inputs.iter().enumerate() {
-                            let mut alone = [f32::NAN];
-                            dot_rows(DotKernel::Scalar, format, &[row], std::slice::from_ref(x), &mut alone);
-                            assert_eq!(out[r * tokens + i].to_bits(), alone[0].to_bits(), "{format:?} {kernel:?} row {r} token {i} of {tokens}");
+            for blocks in [1, 3] {
+                let (rows, cols) = (11, blocks * format.block_size().max(64));
+                let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
+                let packed = InterleavedMatrix::pack(&m, None).unwrap();
+                for tokens in [1, 3, 6] {
+                    let xs: Vec<Vec<f32>> = (0..tokens).map(|_| random(&mut rng, cols, 2.0)).collect();
+                    let inputs: Vec<Vec<Q8Block>> = xs.iter().map(|x| quantized(x)).collect();
+                    for kernel in DotKernel::available() {
+                        let got = products(kernel, &packed, &inputs);
+                        for (r, got) in got.iter().enumerate() {
+                            let mut w = vec![f32::NAN; cols];
+                            m.dequant_row(r, &mut w);
+                            for (i, (x, q)) in xs.iter().zip(&inputs).enumerate() {
+                                let want = dot(&w, x);
+                                let bound: f32 = w.chunks_exact(Q8_BLOCK).zip(q).map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5).sum();
+                                let magnitude: f32 = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+                                assert!((got[i] - want).abs() <= bound + 1e-5 * magnitude, "{format:?} {kernel:?} row {r} token {i}: {} vs {want}", got[i]);
+                                let rounded: Vec<f32> = q.iter().flat_map(|b| b.qs.map(|c| c as f32 * b.d)).collect();
+                                let exact = dot(&w, &rounded);
+                                assert!((got[i] - exact).abs() <= 1e-5 * magnitude, "{format:?} {kernel:?}: {} vs {exact} on the rounded input", got[i]);
+                                let alone = products(DotKernel::Scalar, &packed, std::slice::from_ref(q));
+                                assert_eq!(got[i].to_bits(), alone[r][0].to_bits(), "{format:?} {kernel:?} row {r} token {i} of {tokens}");
+                            }
                         }
                     }
                 }
@@ -734,12 +509,12 @@ mod tests {
         for (i, b) in block[2..].iter_mut().enumerate() {
             *b = if i % 2 == 0 { 0x80 } else { 0x7f };
         }
-        let x = Q8Block { d: 1.0, sum: 0.0, qs: [127; 32] };
+        let m = GgmlMatrix::new(GgmlFormat::Q8_0, 1, 32, block).unwrap();
+        let packed = InterleavedMatrix::pack(&m, None).unwrap();
+        let x = Q8Block { d: 1.0, sum: 0.0, halves: [127 * 16; 2], qs: [127; 32] };
         let want = 16.0 * (-128.0 * 127.0) + 16.0 * (127.0 * 127.0);
         for k in DotKernel::available() {
-            let mut out = [f32::NAN];
-            dot_rows(k, GgmlFormat::Q8_0, &[&block], &[vec![x]], &mut out);
-            assert_eq!(out[0], want, "{k:?}");
+            assert_eq!(products(k, &packed, &[vec![x]])[0][0], want, "{k:?}");
         }
     }
 }

@@ -9,8 +9,9 @@ mod workers;
 use workers::Workers;
 
 use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Rope, Routing};
+use crate::quant::interleaved::{InterleavedMatrix, GROUP};
 use crate::quant::q8dot::{self, DotKernel, Q8Block};
-use crate::quant::{dot, dots, GgmlMatrix, QuantMatrix};
+use crate::quant::{dot, dots, QuantMatrix};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
 
@@ -109,18 +110,57 @@ impl CpuBackend {
         Ok(CpuBackend { workers, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
     }
 
-    /// `w`'s blocks and the integer kernel for them, when they take one: (matrix, which of its
-    /// rows `w` is, if not all).
-    fn integer_rows<'w>(&self, w: &'w dyn QuantMatrix) -> Option<(DotKernel, &'w GgmlMatrix, Option<&'w [usize]>)> {
-        let kernel = self.dot?;
-        let (matrix, rows) = match w.as_ggml() {
-            Some(m) => (m, None),
-            None => {
-                let (inner, rows) = w.row_selection()?;
-                (inner.as_ggml()?, Some(rows))
+    /// `x · wᵀ` on the integer kernel: the input quantised a token at a time, then two groups of
+    /// eight rows a task, every token's products of a group in one pass; `[T, N]`.
+    fn integer_linear(&self, kernel: DotKernel, w: &InterleavedMatrix, x: &CpuTensor) -> Vec<f32> {
+        let (n, t) = (w.rows(), x.rows);
+        let mut inputs: Vec<Vec<Q8Block>> = vec![Vec::new(); t];
+        self.workers.for_each(&mut inputs, || (), |_, tok, q| q8dot::quantize_input(x.row(tok), q));
+        // [group][token][row of the group]
+        let mut by_group = vec![0f32; w.groups() * t * GROUP];
+        self.workers.for_each(&mut by_group.chunks_mut(2 * t * GROUP).collect::<Vec<_>>(), || (), |_, chunk, out| {
+            q8dot::dot_groups(kernel, w, 2 * chunk..2 * chunk + out.len() / (t * GROUP), &inputs, out);
+        });
+        if t == 1 {
+            by_group.truncate(n);
+            return by_group;
+        }
+        let mut out = vec![0f32; t * n];
+        self.workers.for_each(&mut out.chunks_mut(n).collect::<Vec<_>>(), || (), |_, tok, row| {
+            for (g, part) in row.chunks_mut(GROUP).enumerate() {
+                part.copy_from_slice(&by_group[(g * t + tok) * GROUP..][..part.len()]);
             }
-        };
-        (q8dot::supports(matrix.format()) && matrix.cols() % q8dot::Q8_BLOCK == 0).then_some((kernel, matrix, rows))
+        });
+        out
+    }
+
+    /// `x · wᵀ` with each weight row widened to f32 once and used for every token; `[T, N]`.
+    fn reference_linear(&self, w: &dyn QuantMatrix, x: &CpuTensor) -> Vec<f32> {
+        let (n, k, t) = (w.rows(), w.cols(), x.rows);
+        // Work on the transposed output [n, t] so each thread owns whole weight rows.
+        let mut out_t = vec![0f32; n * t];
+        self.workers.for_each(&mut out_t.chunks_mut(t * 16).collect::<Vec<_>>(), || vec![0f32; k], |row_buf, chunk, out| {
+            for (i, o) in out.chunks_exact_mut(t).enumerate() {
+                w.dequant_row(chunk * 16 + i, row_buf);
+                for (tok, slot) in o.iter_mut().enumerate() {
+                    *slot = dot(row_buf, x.row(tok));
+                }
+            }
+        });
+        if t == 1 {
+            return out_t;
+        }
+        let mut out = vec![0f32; t * n];
+        // Sixteen tokens a task: each weight row's sixteen outputs are one cache line of out_t.
+        self.workers.for_each(&mut out.chunks_mut(16 * n).collect::<Vec<_>>(), || (), |_, chunk, rows| {
+            let first = chunk * 16;
+            for (j, col) in out_t.chunks_exact(t).enumerate() {
+                for (i, v) in col[first..first + rows.len() / n].iter().enumerate() {
+                    rows[i * n + j] = *v;
+                }
+            }
+        });
+        out
     }
 
     /// The logits as argmax and top_k see them: adjusted, the token mask applied.
@@ -300,12 +340,33 @@ impl Backend for CpuBackend {
         true
     }
 
+    /// Block formats that the integer kernels take are repacked for them (`interleaved`);
+    /// everything else stays as loaded.
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight> {
-        Ok(w)
+        if self.dot.is_none() {
+            return Ok(w);
+        }
+        let (matrix, rows) = match (w.as_ggml(), w.row_selection()) {
+            (Some(m), _) => (m, None),
+            (None, Some((inner, rows))) => match inner.as_ggml() {
+                Some(m) => (m, Some(rows)),
+                None => return Ok(w),
+            },
+            (None, None) => return Ok(w),
+        };
+        Ok(match InterleavedMatrix::pack(matrix, rows) {
+            Some(packed) => Box::new(packed),
+            None => w,
+        })
     }
 
     fn upload_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<GatedMlp<Self>>) -> Result<Self::Experts> {
-        (0..count).map(expert).collect()
+        (0..count)
+            .map(|n| {
+                let GatedMlp { gate, up, down } = expert(n)?;
+                Ok(GatedMlp { gate: self.upload_weight(gate)?, up: self.upload_weight(up)?, down: self.upload_weight(down)? })
+            })
+            .collect()
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CpuTensor> {
@@ -409,45 +470,9 @@ impl Backend for CpuBackend {
         if t == 0 {
             return Ok(CpuTensor::new(0, n, Vec::new()));
         }
-        // Work on the transposed output [n, t] so each thread owns whole weight rows: a row is
-        // read (or dequantised) once and used for every token.
-        let mut out_t = vec![0f32; n * t];
-        if let Some((kernel, matrix, rows)) = self.integer_rows(w.as_ref()) {
-            let mut inputs: Vec<Vec<Q8Block>> = vec![Vec::new(); t];
-            self.workers.for_each(&mut inputs, || (), |_, tok, q| q8dot::quantize_input(x.row(tok), q));
-            self.workers.for_each(&mut out_t.chunks_mut(t * 16).collect::<Vec<_>>(), || (), |_, chunk, out| {
-                let mut blocks: [&[u8]; 16] = [&[]; 16];
-                let count = out.len() / t;
-                for (i, b) in blocks[..count].iter_mut().enumerate() {
-                    let row = chunk * 16 + i;
-                    *b = matrix.row_blocks(rows.map_or(row, |r| r[row]));
-                }
-                q8dot::dot_rows(kernel, matrix.format(), &blocks[..count], &inputs, out);
-            });
-        } else {
-            self.workers.for_each(&mut out_t.chunks_mut(t * 16).collect::<Vec<_>>(), || vec![0f32; k], |row_buf, chunk, out| {
-                for (i, o) in out.chunks_exact_mut(t).enumerate() {
-                    w.dequant_row(chunk * 16 + i, row_buf);
-                    for (tok, slot) in o.iter_mut().enumerate() {
-                        *slot = dot(row_buf, x.row(tok));
-                    }
-                }
-            });
-        }
-        let mut out = if t == 1 {
-            out_t
-        } else {
-            let mut out = vec![0f32; t * n];
-            // Sixteen tokens a task: each weight row's sixteen outputs are one cache line of out_t.
-            self.workers.for_each(&mut out.chunks_mut(16 * n).collect::<Vec<_>>(), || (), |_, chunk, rows| {
-                let first = chunk * 16;
-                for (j, col) in out_t.chunks_exact(t).enumerate() {
-                    for (i, v) in col[first..first + rows.len() / n].iter().enumerate() {
-                        rows[i * n + j] = *v;
-                    }
-                }
-            });
-            out
+        let mut out = match (self.dot, w.as_interleaved()) {
+            (Some(kernel), Some(packed)) => self.integer_linear(kernel, packed, x),
+            _ => self.reference_linear(w.as_ref(), x),
         };
         if let Some(b) = bias {
             for row in out.chunks_exact_mut(n) {
