@@ -33,11 +33,21 @@ pub struct Q8Block {
 }
 
 /// Quantises `x` (a whole number of blocks) into `out`: each block's largest magnitude becomes
-/// ±127, the rest rounded to the nearest step.
-pub fn quantize_input(x: &[f32], out: &mut Vec<Q8Block>) {
+/// ±127, the rest rounded to the nearest step (halves away from zero; NaN to 0). The SIMD
+/// kernels' CPUs do it in AVX2 registers, with the same bits (tested).
+pub fn quantize_input(kernel: DotKernel, x: &[f32], out: &mut Vec<Q8Block>) {
     debug_assert_eq!(x.len() % Q8_BLOCK, 0);
     out.clear();
-    out.extend(x.chunks_exact(Q8_BLOCK).map(|values| {
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: both kernels are only chosen where AVX2 is detected.
+        DotKernel::Avx2 | DotKernel::Avx512Vnni => unsafe { x86::quantize(x, out) },
+        _ => out.extend(x.chunks_exact(Q8_BLOCK).map(quantize_block)),
+    }
+}
+
+fn quantize_block(values: &[f32]) -> Q8Block {
+    {
         let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -48,7 +58,7 @@ pub fn quantize_input(x: &[f32], out: &mut Vec<Q8Block>) {
         let half = |h: usize| qs[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum::<i32>();
         let halves = [half(0), half(1)];
         Q8Block { d, sum: d * (halves[0] + halves[1]) as f32, halves, qs }
-    }));
+    }
 }
 
 /// `x.round()` (halves away from zero) for what `as i8` keeps of it, without the libm call that
@@ -169,7 +179,7 @@ mod scalar {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP};
+    use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP, Q8_BLOCK};
     use crate::quant::interleaved::{group_block_bytes, FORMATS};
 
     /// Tokens that share one decoding of a group's piece (prefill).
@@ -189,6 +199,58 @@ mod x86 {
     pub unsafe fn dot_groups_vnni(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the features of this function, which the inlined body uses.
         unsafe { by_format::<true>(m, groups, inputs, out) }
+    }
+
+    /// `quantize_block` for each block of `x`, into `out`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn quantize(x: &[f32], out: &mut Vec<Q8Block>) {
+        // Plain loops, not closures, which would not inherit this function's features.
+        for values in x.chunks_exact(Q8_BLOCK) {
+            let mut v = [_mm256_setzero_ps(); 4];
+            for (i, v) in v.iter_mut().enumerate() {
+                // SAFETY: 8 of the chunk's 32 floats; AVX, as this function.
+                *v = unsafe { _mm256_loadu_ps(values[8 * i..][..8].as_ptr()) };
+            }
+            let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+            // max_ps keeps its second operand where the first is NaN, as f32::max ignores NaN.
+            let mut m = _mm256_setzero_ps();
+            for v in v {
+                m = _mm256_max_ps(_mm256_and_ps(v, magnitude), m);
+            }
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            let d = amax / 127.0;
+            let inverse = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let one = _mm256_set1_ps(1.0);
+            let mut codes = [_mm256_setzero_si256(); 4];
+            for (code, v) in codes.iter_mut().zip(v) {
+                let x = _mm256_mul_ps(v, inverse);
+                // NaN to 0, as `as i32` makes it; every other product is within ±128.
+                let x = _mm256_and_ps(x, _mm256_cmp_ps::<_CMP_ORD_Q>(x, x));
+                let whole = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(x));
+                let fraction = _mm256_sub_ps(x, whole);
+                let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(fraction, _mm256_set1_ps(0.5)), one);
+                let down = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(fraction, _mm256_set1_ps(-0.5)), one);
+                *code = _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(whole, up), down));
+            }
+            let bytes = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+            let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let mut qs = [0i8; Q8_BLOCK];
+            // SAFETY: 32 bytes.
+            unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), bytes) };
+            let mut halves = [0i32; 2];
+            for (h, half) in halves.iter_mut().enumerate() {
+                let s = _mm256_add_epi32(codes[2 * h], codes[2 * h + 1]);
+                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+                *half = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)));
+            }
+            out.push(Q8Block { d, sum: d * (halves[0] + halves[1]) as f32, halves, qs });
+        }
     }
 
     /// One copy of the loops per format, its decoding resolved at compile time.
@@ -419,8 +481,31 @@ mod tests {
 
     fn quantized(x: &[f32]) -> Vec<Q8Block> {
         let mut q = Vec::new();
-        quantize_input(x, &mut q);
+        quantize_input(DotKernel::Scalar, x, &mut q);
         q
+    }
+
+    /// Every kernel's quantisation gives the scalar one's blocks: random values of many scales,
+    /// halves, NaN and infinities, zeros.
+    #[test]
+    fn every_kernel_quantises_the_input_alike() {
+        let mut rng = Rng::new(9);
+        let mut x: Vec<f32> = (0..32 * 200).map(|i| ((rng.next_f64() * 2.0 - 1.0) as f32) * 10f32.powi(i / 32 % 12 - 6)).collect();
+        x[..32].fill(0.0);
+        x[40] = f32::NAN;
+        x[70] = f32::INFINITY;
+        x[100] = f32::NEG_INFINITY;
+        for (i, v) in x[128..160].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) * 0.5 * (127.0 / 8.0);
+        }
+        let want = quantized(&x);
+        for kernel in DotKernel::available() {
+            let mut got = Vec::new();
+            quantize_input(kernel, &x, &mut got);
+            for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!((g.d.to_bits(), g.sum.to_bits(), g.halves, g.qs), (w.d.to_bits(), w.sum.to_bits(), w.halves, w.qs), "{kernel:?} block {b}");
+            }
+        }
     }
 
     /// Every row of `m` times every input, as `dot_groups` lays them out, back in [row][token].

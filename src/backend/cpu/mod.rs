@@ -33,10 +33,24 @@ impl CpuTensor {
     }
 }
 
+/// A layer's keys and values, a position a row of `width` values, rows `stride` apart: one cache
+/// line more than the width, so that a head's keys at successive positions do not all fall in
+/// the same L1 set (a width of 1024 floats would put them 4 KiB apart, an attention pass over
+/// eight of them then evicting its own lines).
 pub struct CpuKvCache {
     width: usize,
     keys: Vec<f32>,
     values: Vec<f32>,
+}
+
+impl CpuKvCache {
+    fn stride(&self) -> usize {
+        self.width + 16
+    }
+
+    fn positions(&self) -> usize {
+        self.keys.len() / self.stride()
+    }
 }
 
 /// How the CPU multiplies block-format weights.
@@ -115,7 +129,7 @@ impl CpuBackend {
     fn integer_linear(&self, kernel: DotKernel, w: &InterleavedMatrix, x: &CpuTensor) -> Vec<f32> {
         let (n, t) = (w.rows(), x.rows);
         let mut inputs: Vec<Vec<Q8Block>> = vec![Vec::new(); t];
-        self.workers.for_each(&mut inputs, || (), |_, tok, q| q8dot::quantize_input(x.row(tok), q));
+        self.workers.for_each(&mut inputs, || (), |_, tok, q| q8dot::quantize_input(kernel, x.row(tok), q));
         // [group][token][row of the group]
         let mut by_group = vec![0f32; w.groups() * t * GROUP];
         self.workers.for_each(&mut by_group.chunks_mut(2 * t * GROUP).collect::<Vec<_>>(), || (), |_, chunk, out| {
@@ -178,6 +192,16 @@ impl CpuBackend {
     }
 }
 
+/// A thread's scratch space in `attention`: the scores of a query, and one KV head's keys and
+/// values copied out of the cache (`head`), position after position.
+#[derive(Default)]
+struct HeadScratch {
+    scores: Vec<f32>,
+    head: Option<usize>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
 /// One query row's view of a layer's cache: `visible` positions of width-wide rows, its head's
 /// columns at `offset`, scores scaled by `scale`.
 struct Query<'a> {
@@ -187,7 +211,8 @@ struct Query<'a> {
     scale: f32,
 }
 
-/// softmax(q · keysᵀ · scale) · values for one query row, into `o`; WIDE: inlined into
+/// softmax(q · keysᵀ · scale) · values for one query row (cache rows `width` apart), into `o`;
+/// WIDE: inlined into
 /// `attend_wide`, whose AVX2 its key products use.
 #[inline(always)]
 fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
@@ -196,18 +221,19 @@ fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: 
     // The products in plain loops, not iterator adapters: a closure would not inherit
     // attend_wide's features.
     let key = |p: usize| &keys[p * width + offset..][..d];
+    // Eight keys a call: eight chains of adds in flight, not four (each add waits on the last).
     let mut p = 0;
-    while p + 4 <= query.visible {
-        let four = [key(p), key(p + 1), key(p + 2), key(p + 3)];
+    while p + 8 <= query.visible {
+        let eight = [key(p), key(p + 1), key(p + 2), key(p + 3), key(p + 4), key(p + 5), key(p + 6), key(p + 7)];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: WIDE only inside attend_wide, which needs AVX2.
-        let products = if WIDE { unsafe { crate::quant::dots_avx(query.q, four) } } else { dots(query.q, four) };
+        let products = if WIDE { unsafe { crate::quant::dots_avx(query.q, eight) } } else { dots(query.q, eight) };
         #[cfg(not(target_arch = "x86_64"))]
-        let products = dots(query.q, four);
+        let products = dots(query.q, eight);
         for s in products {
             scores.push(s * query.scale);
         }
-        p += 4;
+        p += 8;
     }
     for p in p..query.visible {
         scores.push(dot(query.q, key(p)) * query.scale);
@@ -218,25 +244,46 @@ fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: 
         *s = (*s - max).exp();
         sum += *s;
     }
-    o.fill(0.0);
-    // Four positions per pass over `o` (each element still adds them in position order).
-    let value = |p: usize| &values[p * width + offset..][..d];
-    let mut p = 0;
-    while p + 4 <= scores.len() {
-        let w = [scores[p] / sum, scores[p + 1] / sum, scores[p + 2] / sum, scores[p + 3] / sum];
-        let v = [value(p), value(p + 1), value(p + 2), value(p + 3)];
-        for (i, acc) in o.iter_mut().enumerate() {
-            *acc = *acc + w[0] * v[0][i] + w[1] * v[1][i] + w[2] * v[2][i] + w[3] * v[3][i];
-        }
-        p += 4;
+    for s in scores.iter_mut() {
+        *s /= sum;
     }
-    for (p, s) in scores.iter().enumerate().skip(p) {
-        let weight = s / sum;
-        for (acc, vv) in o.iter_mut().zip(value(p)) {
-            *acc += weight * vv;
+    // Sixty-four outputs at a time stay in registers over every position, four positions a step
+    // added as a tree first, so that each accumulator waits on one add a step, not four.
+    let value = |p: usize| &values[p * width + offset..][..d];
+    let full = scores.len() / 4 * 4;
+    let mut at = 0;
+    while at < d {
+        let n = (d - at).min(BLOCK);
+        let mut acc = [0f32; BLOCK];
+        if n == BLOCK {
+            let block = |p: usize| -> &[f32; BLOCK] { value(p)[at..at + BLOCK].try_into().expect("a block") };
+            for p in (0..full).step_by(4) {
+                let (w, v) = ([scores[p], scores[p + 1], scores[p + 2], scores[p + 3]], [block(p), block(p + 1), block(p + 2), block(p + 3)]);
+                for i in 0..BLOCK {
+                    acc[i] += (w[0] * v[0][i] + w[1] * v[1][i]) + (w[2] * v[2][i] + w[3] * v[3][i]);
+                }
+            }
+        } else {
+            for p in (0..full).step_by(4) {
+                let w = [scores[p], scores[p + 1], scores[p + 2], scores[p + 3]];
+                let v = [&value(p)[at..], &value(p + 1)[at..], &value(p + 2)[at..], &value(p + 3)[at..]];
+                for (i, acc) in acc[..n].iter_mut().enumerate() {
+                    *acc += (w[0] * v[0][i] + w[1] * v[1][i]) + (w[2] * v[2][i] + w[3] * v[3][i]);
+                }
+            }
         }
+        for (p, &weight) in scores.iter().enumerate().skip(full) {
+            for (acc, vv) in acc[..n].iter_mut().zip(&value(p)[at..]) {
+                *acc += weight * vv;
+            }
+        }
+        o[at..at + n].copy_from_slice(&acc[..n]);
+        at += n;
     }
 }
+
+/// Outputs of one head that `attend` keeps in registers (eight AVX registers).
+const BLOCK: usize = 64;
 
 fn attend_wide_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -386,12 +433,12 @@ impl Backend for CpuBackend {
         caches
             .iter()
             .map(|cache| {
-                let w = cache.width;
-                let rows = start.checked_add(len).map(|end| start * w..end * w).filter(|r| r.end <= cache.keys.len());
+                let stride = cache.stride();
+                let rows = start.checked_add(len).map(|end| start * stride..end * stride).filter(|r| r.end <= cache.keys.len());
                 let Some(rows) = rows else {
-                    return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past the {} cached", cache.keys.len() / w.max(1))));
+                    return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past the {} cached", cache.positions())));
                 };
-                Ok(CpuKvCache { width: w, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec() })
+                Ok(CpuKvCache { width: cache.width, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec() })
             })
             .collect()
     }
@@ -402,7 +449,7 @@ impl Backend for CpuBackend {
                 if saved.width != cache.width {
                     return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
                 }
-                let from = start * cache.width;
+                let from = start * cache.stride();
                 let end = from + saved.keys.len();
                 cache.keys.resize(end, 0.0);
                 cache.values.resize(end, 0.0);
@@ -520,12 +567,15 @@ impl Backend for CpuBackend {
         if k.cols != width || v.cols != width || q.cols != num_heads * d || num_kv_heads * d != width {
             return Err(Error::InvalidArgument("attention: q/k/v widths disagree with the shape".into()));
         }
-        let t = q.rows;
+        let (t, stride) = (q.rows, cache.stride());
         let end = start_pos + t;
-        cache.keys.resize(end * width, 0.0);
-        cache.values.resize(end * width, 0.0);
-        cache.keys[start_pos * width..].copy_from_slice(&k.data);
-        cache.values[start_pos * width..].copy_from_slice(&v.data);
+        cache.keys.resize(end * stride, 0.0);
+        cache.values.resize(end * stride, 0.0);
+        for (cached, new) in [(&mut cache.keys, k), (&mut cache.values, v)] {
+            for (row, from) in cached[start_pos * stride..].chunks_exact_mut(stride).zip(new.data.chunks_exact(width)) {
+                row[..width].copy_from_slice(from);
+            }
+        }
 
         let group = num_heads / num_kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
@@ -535,16 +585,37 @@ impl Backend for CpuBackend {
         let mut out = vec![0f32; t * num_heads * d];
         let mut tasks: Vec<(usize, &mut [f32])> = out.chunks_mut(d).enumerate().collect();
         tasks.sort_by_key(|&(idx, _)| (idx % num_heads, idx / num_heads));
-        self.workers.for_each(&mut tasks, Vec::new, |scores: &mut Vec<f32>, _, (idx, o)| {
+        // A prompt's queries take their head's keys and values from a contiguous copy, made once
+        // per head and thread: in the cache they lie a position's width apart, a stream the
+        // prefetchers do not follow. (A token or a few read them in place.)
+        let gather = t >= 16;
+        self.workers.for_each(&mut tasks, HeadScratch::default, |s: &mut HeadScratch, _, (idx, o)| {
             let (tok, h) = (*idx / num_heads, *idx % num_heads);
             let kvh = h / group;
-            let query = Query { q: &q.data[tok * q.cols + h * d..][..d], offset: kvh * d, visible: start_pos + tok + 1, scale };
+            let q = &q.data[tok * q.cols + h * d..][..d];
+            let visible = start_pos + tok + 1;
+            let HeadScratch { scores, head, keys: head_keys, values: head_values } = s;
+            let (keys, values, stride, offset) = if gather {
+                if *head != Some(kvh) {
+                    for (copy, cached) in [(&mut *head_keys, keys), (&mut *head_values, values)] {
+                        copy.clear();
+                        for row in cached.chunks_exact(stride) {
+                            copy.extend_from_slice(&row[kvh * d..][..d]);
+                        }
+                    }
+                    *head = Some(kvh);
+                }
+                (&head_keys[..], &head_values[..], d, 0)
+            } else {
+                (&keys[..], &values[..], stride, kvh * d)
+            };
+            let query = Query { q, offset, visible, scale };
             #[cfg(target_arch = "x86_64")]
             if attend_wide_available() {
                 // SAFETY: attend_wide_available checked the CPU's features.
-                return unsafe { attend_wide(&query, keys, values, width, scores, o) };
+                return unsafe { attend_wide(&query, keys, values, stride, scores, o) };
             }
-            attend::<false>(&query, keys, values, width, scores, o)
+            attend::<false>(&query, keys, values, stride, scores, o)
         });
         Ok(CpuTensor::new(t, num_heads * d, out))
     }
