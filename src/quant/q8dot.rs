@@ -182,8 +182,6 @@ mod x86 {
     use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP, Q8_BLOCK};
     use crate::quant::interleaved::{group_block_bytes, FORMATS};
 
-    /// Tokens that share one decoding of a group's piece (prefill).
-    const TOKENS: usize = 4;
 
     /// # Safety
     /// The CPU must support AVX2 and F16C.
@@ -269,12 +267,27 @@ mod x86 {
         }
     }
 
-    /// Each group times the tokens, `TOKENS` at a time (the group's blocks stay in L1 while the
-    /// inputs stream past), tokens left over one by one. Inlined into the callers above, whose
+    /// Each group times the tokens, several at a time sharing each decoding of a piece (eight
+    /// for the k-quants with VNNI's 32 registers, whose decoding and scales cost the most; else
+    /// four: more would spill), tokens left over one by one; the group's
+    /// blocks stay in L1 while the inputs stream past. Inlined into the callers above, whose
     /// target features its intrinsics need (a function with target features cannot be
     /// inlined, nor generic over them).
     #[inline(always)]
     unsafe fn grid<const F: usize, const VNNI: bool>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
+        // SAFETY: the caller's target features.
+        unsafe {
+            if VNNI && matches!(FORMATS[F], GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K) {
+                bands::<F, VNNI, 8>(m, groups, inputs, out)
+            } else {
+                bands::<F, VNNI, 4>(m, groups, inputs, out)
+            }
+        }
+    }
+
+    /// `grid` with TOKENS tokens a tile.
+    #[inline(always)]
+    unsafe fn bands<const F: usize, const VNNI: bool, const TOKENS: usize>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         let t = inputs.len();
         for (g, out) in groups.zip(out.chunks_exact_mut(t * GROUP)) {
             let group = m.group(g);
