@@ -4,8 +4,8 @@
 //! four codes broadcast from memory, and a group's eight results come out as one vector: no
 //! horizontal sums, and a block's scales are applied to eight rows at once.
 //!
-//! Codes are stored unsigned (`u` = code + bias: Q8_0 + 128, Q4_0 + 8, Q6_K + 32; the others
-//! have none), so `dpbusd` (unsigned × signed bytes) takes them as they are. A group's data is,
+//! Codes are read unsigned (`u` = code + bias: Q8_0 and the codebook formats + 128, Q4_0 + 8,
+//! Q6_K + 32; the others have none), so `dpbusd` (unsigned × signed bytes) takes them as they are. A group's data is,
 //! for each block of its rows (32 values, or 256 for the k-quants), a header and then one piece
 //! per 32 values:
 //!
@@ -17,6 +17,14 @@
 //! | Q4_K | d, dmin (f16); 6-bit scales, then minimums (u8), for each of the 8 pieces | 4 vectors of nibbles |
 //! | Q5_K | as Q4_K | 4 vectors of nibbles, 1 of fifth bits |
 //! | Q6_K | d (f16); signed scales (i8) of each piece's two halves | 4 vectors of nibbles, 2 of high bit pairs |
+//! | IQ4_NL | d (f16) | 4 vectors of level indices |
+//! | IQ4_XS | d (f16); signed 6-bit scales (i8, ls − 32) of the 8 pieces | as IQ4_NL |
+//! | MXFP4 | the E8M0 scale byte | as IQ4_NL |
+//! | NVFP4 (64) | the E4M3 scale of each piece's halves, halved, as f16 (exact) | as IQ4_NL |
+//! | ROCmFP4 | the scale of each half (ROCMFP4_FAST: one) as f16 (exact) | as IQ4_NL |
+//!
+//! The codebook formats (IQ4, FP4) keep their 4-bit indices; a kernel looks each level up (plus
+//! 128) in a 16-byte table.
 //!
 //! Vector v's lane r holds row r's values 4v..4v+4 (Q8_0, v < 8), or as nibbles: low = values
 //! 4v + c, high = values 16 + 4v + c of its byte c. Fifth bits: byte c of lane r, bit v = value
@@ -25,7 +33,8 @@
 //! rows is padded with zero rows. The layout is the same size as the file's, but for the
 //! k-quants' unpacked scales (+3 %).
 
-use super::ggml::scale_min_k4;
+use super::fp4::{e8m0_half, rocmfp4_scale, ue4m3_half, CODEBOOK10, E2M1_DOUBLED};
+use super::ggml::{scale_min_k4, IQ4_LEVELS};
 use super::{DType, GgmlFormat, GgmlMatrix, QuantMatrix};
 
 /// Rows a group interleaves: the lanes of a 256-bit register of 32-bit sums.
@@ -34,7 +43,20 @@ pub const GROUP: usize = 8;
 pub const PIECE: usize = 32;
 
 /// The formats the layout takes.
-pub const FORMATS: [GgmlFormat; 6] = [GgmlFormat::Q8_0, GgmlFormat::Q4_0, GgmlFormat::Q4_1, GgmlFormat::Q4_K, GgmlFormat::Q5_K, GgmlFormat::Q6_K];
+pub const FORMATS: [GgmlFormat; 12] = [
+    GgmlFormat::Q8_0,
+    GgmlFormat::Q4_0,
+    GgmlFormat::Q4_1,
+    GgmlFormat::Q4_K,
+    GgmlFormat::Q5_K,
+    GgmlFormat::Q6_K,
+    GgmlFormat::IQ4_NL,
+    GgmlFormat::IQ4_XS,
+    GgmlFormat::MXFP4,
+    GgmlFormat::NVFP4,
+    GgmlFormat::ROCMFP4,
+    GgmlFormat::ROCMFP4_FAST,
+];
 
 /// (header bytes of a group's block, bytes of each piece).
 #[inline(always)]
@@ -45,18 +67,40 @@ pub fn layout(format: GgmlFormat) -> (usize, usize) {
         GgmlFormat::Q4_1 => (32, 128),
         GgmlFormat::Q4_K => (160, 128),
         GgmlFormat::Q5_K => (160, 160),
-        _ => (144, 192),
+        GgmlFormat::Q6_K => (144, 192),
+        GgmlFormat::IQ4_XS => (80, 128),
+        GgmlFormat::MXFP4 => (8, 128),
+        GgmlFormat::NVFP4 => (64, 128),
+        GgmlFormat::ROCMFP4 => (32, 128),
+        _ => (16, 128),
     }
+}
+
+/// The levels a codebook format's 4-bit indices stand for.
+#[inline(always)]
+pub fn levels(format: GgmlFormat) -> Option<&'static [i8; 16]> {
+    match format {
+        GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => Some(&IQ4_LEVELS),
+        GgmlFormat::MXFP4 | GgmlFormat::NVFP4 => Some(&E2M1_DOUBLED),
+        GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => Some(&CODEBOOK10),
+        _ => None,
+    }
+}
+
+/// Whether a piece's two halves scale differently.
+#[inline(always)]
+pub fn two_scales(format: GgmlFormat) -> bool {
+    matches!(format, GgmlFormat::Q6_K | GgmlFormat::NVFP4 | GgmlFormat::ROCMFP4)
 }
 
 /// What the stored codes exceed the signed ones by.
 #[inline(always)]
 pub fn bias(format: GgmlFormat) -> i32 {
     match format {
-        GgmlFormat::Q8_0 => 128,
         GgmlFormat::Q4_0 => 8,
         GgmlFormat::Q6_K => 32,
-        _ => 0,
+        GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => 0,
+        _ => 128,
     }
 }
 
@@ -84,7 +128,7 @@ pub fn group_block_bytes(format: GgmlFormat) -> usize {
 #[inline(always)]
 pub fn piece_scales(format: GgmlFormat, header: &[u8], r: usize, k: usize) -> (f32, f32, f32) {
     let field = |at: usize| f16_at(header, at + 2 * r);
-    let d = field(0);
+    let d = if format == GgmlFormat::MXFP4 { 0.0 } else { field(0) };
     match format {
         GgmlFormat::Q4_1 => (d, d, field(16)),
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
@@ -92,6 +136,16 @@ pub fn piece_scales(format: GgmlFormat, header: &[u8], r: usize, k: usize) -> (f
             (scale, scale, -(field(16) * f32::from(header[96 + 8 * k + r])))
         }
         GgmlFormat::Q6_K => (d * f32::from(header[16 + 16 * k + r] as i8), d * f32::from(header[24 + 16 * k + r] as i8), 0.0),
+        GgmlFormat::IQ4_XS => {
+            let scale = d * f32::from(header[16 + 8 * k + r] as i8);
+            (scale, scale, 0.0)
+        }
+        GgmlFormat::MXFP4 => {
+            let scale = e8m0_half(header[r]);
+            (scale, scale, 0.0)
+        }
+        GgmlFormat::NVFP4 => (field(32 * k), field(32 * k + 16), 0.0),
+        GgmlFormat::ROCMFP4 => (d, field(16), 0.0),
         _ => (d, d, 0.0),
     }
 }
@@ -108,7 +162,10 @@ pub fn code(format: GgmlFormat, piece: &[u8], r: usize, j: usize) -> u8 {
     match format {
         GgmlFormat::Q5_K => nibble | ((piece[128 + 4 * r + c] >> (4 * half + v)) & 1) << 4,
         GgmlFormat::Q6_K => nibble | ((piece[128 + 32 * half + 4 * r + c] >> (2 * v)) & 3) << 4,
-        _ => nibble,
+        _ => match levels(format) {
+            Some(levels) => (levels[usize::from(nibble)] as u8) ^ 0x80,
+            None => nibble,
+        },
     }
 }
 
@@ -180,10 +237,27 @@ impl InterleavedMatrix {
 fn pack_block(format: GgmlFormat, block: &[u8], r: usize, out: &mut [u8]) {
     let (header_bytes, piece_bytes) = layout(format);
     let (header, pieces) = out.split_at_mut(header_bytes);
-    let d_at = if format == GgmlFormat::Q6_K { 208 } else { 0 };
-    header[2 * r..2 * r + 2].copy_from_slice(&block[d_at..d_at + 2]);
-    if has_offset(format) {
-        header[16 + 2 * r..18 + 2 * r].copy_from_slice(&block[2..4]);
+    let mut put_f16 = |at: usize, value: f32| header[at + 2 * r..at + 2 * r + 2].copy_from_slice(&half::f16::from_f32(value).to_le_bytes());
+    match format {
+        GgmlFormat::MXFP4 => header[r] = block[0],
+        GgmlFormat::NVFP4 => {
+            for (i, &scale) in block[..4].iter().enumerate() {
+                put_f16(16 * i, ue4m3_half(scale));
+            }
+        }
+        GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => {
+            put_f16(0, rocmfp4_scale(block[16]));
+            if format == GgmlFormat::ROCMFP4 {
+                put_f16(16, rocmfp4_scale(block[17]));
+            }
+        }
+        _ => {
+            let d_at = if format == GgmlFormat::Q6_K { 208 } else { 0 };
+            header[2 * r..2 * r + 2].copy_from_slice(&block[d_at..d_at + 2]);
+            if has_offset(format) {
+                header[16 + 2 * r..18 + 2 * r].copy_from_slice(&block[2..4]);
+            }
+        }
     }
     for (k, piece) in pieces.chunks_exact_mut(piece_bytes).enumerate() {
         match format {
@@ -194,6 +268,11 @@ fn pack_block(format: GgmlFormat, block: &[u8], r: usize, out: &mut [u8]) {
             GgmlFormat::Q6_K => {
                 let scales = &block[192 + 8 * (k / 4) + 2 * (k % 4)..];
                 (header[16 + 16 * k + r], header[24 + 16 * k + r]) = (scales[0], scales[1]);
+            }
+            GgmlFormat::IQ4_XS => {
+                let low = (block[4 + k / 2] >> (4 * (k % 2))) & 15;
+                let high = (u16::from_le_bytes([block[2], block[3]]) >> (2 * k)) as u8 & 3;
+                header[16 + 8 * k + r] = ((low | high << 4) as i8 - 32) as u8;
             }
             _ => {}
         }
@@ -218,7 +297,8 @@ fn pack_block(format: GgmlFormat, block: &[u8], r: usize, out: &mut [u8]) {
     }
 }
 
-/// Piece `k` of a block in the file's layout: its 32 codes, stored unsigned (plus `bias`).
+/// Piece `k` of a block in the file's layout: its 32 codes as stored (unsigned, plus `bias`; a
+/// codebook format's level indices).
 fn file_codes(format: GgmlFormat, block: &[u8], k: usize) -> [u8; PIECE] {
     let mut u = [0u8; PIECE];
     match format {
@@ -227,10 +307,24 @@ fn file_codes(format: GgmlFormat, block: &[u8], k: usize) -> [u8; PIECE] {
                 *u = b ^ 0x80;
             }
         }
-        GgmlFormat::Q4_0 | GgmlFormat::Q4_1 => {
-            let nibbles = if format == GgmlFormat::Q4_0 { &block[2..18] } else { &block[4..20] };
+        GgmlFormat::Q4_0 | GgmlFormat::Q4_1 | GgmlFormat::IQ4_NL | GgmlFormat::MXFP4 | GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST | GgmlFormat::IQ4_XS => {
+            let nibbles = match format {
+                GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL => &block[2..18],
+                GgmlFormat::Q4_1 => &block[4..20],
+                GgmlFormat::MXFP4 => &block[1..17],
+                GgmlFormat::IQ4_XS => &block[8 + 16 * k..][..16],
+                _ => &block[..16],
+            };
             for (j, &c) in nibbles.iter().enumerate() {
                 (u[j], u[j + 16]) = (c & 15, c >> 4);
+            }
+        }
+        GgmlFormat::NVFP4 => {
+            // Two runs of 16, each 8 bytes: low nibbles its first 8 values, high nibbles the rest.
+            for (run, qs) in block[4 + 16 * k..][..16].chunks_exact(8).enumerate() {
+                for (j, &c) in qs.iter().enumerate() {
+                    (u[16 * run + j], u[16 * run + 8 + j]) = (c & 15, c >> 4);
+                }
             }
         }
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
@@ -241,7 +335,7 @@ fn file_codes(format: GgmlFormat, block: &[u8], k: usize) -> [u8; PIECE] {
                 *u = nibble | qh.map_or(0, |qh| ((qh[l] >> k) & 1) << 4);
             }
         }
-        _ => {
+        GgmlFormat::Q6_K => {
             let (n, part) = (k / 4, k % 4);
             for (l, u) in u.iter_mut().enumerate() {
                 let byte = block[64 * n + 32 * (part % 2) + l];
@@ -249,6 +343,7 @@ fn file_codes(format: GgmlFormat, block: &[u8], k: usize) -> [u8; PIECE] {
                 *u = nibble | ((block[128 + 32 * n + l] >> (2 * part)) & 3) << 4;
             }
         }
+        _ => unreachable!("{format:?} is not one of FORMATS"),
     }
     u
 }
@@ -289,7 +384,7 @@ impl QuantMatrix for InterleavedMatrix {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::sampling::Rng;
 
@@ -299,12 +394,20 @@ mod tests {
         let halves: &[usize] = match format {
             GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
             GgmlFormat::Q6_K => &[208],
-            _ => &[0],
+            GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => &[0],
+            _ => &[],
         };
         for block in data.chunks_exact_mut(format.block_bytes()) {
             for &at in halves {
                 let v = half::f16::from_f32((rng.next_f64() as f32 - 0.5) * 0.02);
                 block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+            // Scale bytes in a sane range (E8M0 near 2^-6, E4M3 and half-E4M3 any but NaN).
+            match format {
+                GgmlFormat::MXFP4 => block[0] = 118 + (rng.next_u64() % 8) as u8,
+                GgmlFormat::NVFP4 => block[..4].iter_mut().for_each(|b| *b &= 0x7E),
+                GgmlFormat::ROCMFP4 | GgmlFormat::ROCMFP4_FAST => block[16..].iter_mut().for_each(|b| *b &= 0x7E),
+                _ => {}
             }
         }
         data
@@ -335,7 +438,7 @@ mod tests {
 
     #[test]
     fn other_formats_are_not_packed() {
-        let m = GgmlMatrix::new(GgmlFormat::IQ4_NL, 1, 32, vec![0u8; 18]).unwrap();
+        let m = GgmlMatrix::new(GgmlFormat::Q5_0, 1, 32, vec![0u8; 22]).unwrap();
         assert!(InterleavedMatrix::pack(&m, None).is_none());
     }
 }

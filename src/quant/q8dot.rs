@@ -130,7 +130,7 @@ pub fn dot_groups(kernel: DotKernel, m: &InterleavedMatrix, groups: Range<usize>
 
 mod scalar {
     use super::{bias, code, has_offset, layout, piece_scales, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP};
-    use crate::quant::interleaved::group_block_bytes;
+    use crate::quant::interleaved::{group_block_bytes, two_scales};
 
     pub fn dot_groups(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         for (g, out) in groups.zip(out.chunks_exact_mut(inputs.len() * GROUP)) {
@@ -156,7 +156,7 @@ mod scalar {
                     let products: i32 = (16 * h..16 * h + 16).map(|j| i32::from(code(format, piece, r, j)) * i32::from(x.qs[j])).sum();
                     products - bias * x.halves[h]
                 };
-                if format == GgmlFormat::Q6_K {
+                if two_scales(format) {
                     acc += (first * x.d) * half(0) as f32;
                     acc += (second * x.d) * half(1) as f32;
                 } else {
@@ -180,7 +180,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP, Q8_BLOCK};
-    use crate::quant::interleaved::{group_block_bytes, FORMATS};
+    use crate::quant::interleaved::{group_block_bytes, levels, two_scales, FORMATS};
 
 
     /// # Safety
@@ -262,7 +262,13 @@ mod x86 {
                 Some(2) => grid::<2, VNNI>(m, groups, inputs, out),
                 Some(3) => grid::<3, VNNI>(m, groups, inputs, out),
                 Some(4) => grid::<4, VNNI>(m, groups, inputs, out),
-                _ => grid::<5, VNNI>(m, groups, inputs, out),
+                Some(5) => grid::<5, VNNI>(m, groups, inputs, out),
+                Some(6) => grid::<6, VNNI>(m, groups, inputs, out),
+                Some(7) => grid::<7, VNNI>(m, groups, inputs, out),
+                Some(8) => grid::<8, VNNI>(m, groups, inputs, out),
+                Some(9) => grid::<9, VNNI>(m, groups, inputs, out),
+                Some(10) => grid::<10, VNNI>(m, groups, inputs, out),
+                _ => grid::<11, VNNI>(m, groups, inputs, out),
             }
         }
     }
@@ -277,7 +283,7 @@ mod x86 {
     unsafe fn grid<const F: usize, const VNNI: bool>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the caller's target features.
         unsafe {
-            if VNNI && matches!(FORMATS[F], GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K) {
+            if VNNI && matches!(FORMATS[F], GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K | GgmlFormat::IQ4_XS) {
                 bands::<F, VNNI, 8>(m, groups, inputs, out)
             } else {
                 bands::<F, VNNI, 4>(m, groups, inputs, out)
@@ -321,15 +327,16 @@ mod x86 {
         let format = FORMATS[F];
         let (header_bytes, piece_bytes) = layout(format);
         let (per_block, bias, offsets_too) = (pieces_per_block(format), bias(format), has_offset(format));
-        let signed_q8 = format == GgmlFormat::Q8_0 && !VNNI;
+        // Codes up to 255 would overflow AVX2's maddubs: it takes them signed (the sign trick).
+        let signed = bias == 128 && !VNNI;
         let mut acc = [_mm256_setzero_ps(); T];
         let mut offsets = [_mm256_setzero_ps(); T];
         for (b, block) in group.chunks_exact(group_block_bytes(format)).enumerate() {
             let (header, pieces) = block.split_at(header_bytes);
             // SAFETY: F16C and AVX2, as the caller; the header holds each field read.
             unsafe {
-                let d = halves(&header[..16]);
-                let second = if offsets_too { halves(&header[16..32]) } else { d };
+                let d = if format == GgmlFormat::MXFP4 { powers_of_two(&header[..8]) } else { halves(&header[..16]) };
+                let second = if offsets_too || format == GgmlFormat::ROCMFP4 { halves(&header[16..32]) } else { d };
                 for k in 0..per_block {
                     let (first_scale, second_scale, offset) = match format {
                         GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
@@ -338,25 +345,27 @@ mod x86 {
                             (scale, scale, _mm256_xor_ps(minimum, _mm256_set1_ps(-0.0)))
                         }
                         GgmlFormat::Q6_K => (_mm256_mul_ps(d, bytes(&header[16 + 16 * k..], true)), _mm256_mul_ps(d, bytes(&header[24 + 16 * k..], true)), d),
+                        GgmlFormat::IQ4_XS => {
+                            let scale = _mm256_mul_ps(d, bytes(&header[16 + 8 * k..], true));
+                            (scale, scale, d)
+                        }
+                        GgmlFormat::NVFP4 => (halves(&header[32 * k..]), halves(&header[32 * k + 16..]), d),
+                        GgmlFormat::ROCMFP4 => (d, second, d),
                         _ => (d, d, second),
                     };
                     let (low, high) = codes(format, &pieces[k * piece_bytes..][..piece_bytes]);
                     for i in 0..T {
                         let x = &inputs[i][b * per_block + k];
                         let input_scale = _mm256_set1_ps(x.d);
-                        let start = |h: usize| _mm256_set1_epi32(-bias * x.halves[h]);
-                        if format == GgmlFormat::Q6_K {
-                            let first = sums::<VNNI, false>(start(0), &low, &x.qs[..16]);
-                            let second = sums::<VNNI, false>(start(1), &high, &x.qs[16..]);
+                        let start = |h: usize| _mm256_set1_epi32(if signed { 0 } else { -bias * x.halves[h] });
+                        if two_scales(format) {
+                            let first = half_sums::<VNNI>(signed, start(0), &low, &x.qs[..16]);
+                            let second = half_sums::<VNNI>(signed, start(1), &high, &x.qs[16..]);
                             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(first_scale, input_scale), _mm256_cvtepi32_ps(first)));
                             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(second_scale, input_scale), _mm256_cvtepi32_ps(second)));
                         } else {
-                            let all = if signed_q8 {
-                                sums::<false, true>(sums::<false, true>(_mm256_setzero_si256(), &low, &x.qs[..16]), &high, &x.qs[16..])
-                            } else {
-                                let both = _mm256_set1_epi32(-bias * (x.halves[0] + x.halves[1]));
-                                sums::<VNNI, false>(sums::<VNNI, false>(both, &low, &x.qs[..16]), &high, &x.qs[16..])
-                            };
+                            let both = _mm256_add_epi32(start(0), start(1));
+                            let all = half_sums::<VNNI>(signed, half_sums::<VNNI>(signed, both, &low, &x.qs[..16]), &high, &x.qs[16..]);
                             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(first_scale, input_scale), _mm256_cvtepi32_ps(all)));
                         }
                         if offsets_too {
@@ -374,9 +383,22 @@ mod x86 {
         acc
     }
 
+    /// `sums`, its SIGNED chosen at run time (a constant once inlined into a format's copy).
+    #[inline(always)]
+    unsafe fn half_sums<const VNNI: bool>(signed: bool, acc: __m256i, codes: &[__m256i; 4], x: &[i8]) -> __m256i {
+        // SAFETY: the caller's target features.
+        unsafe {
+            if signed {
+                sums::<false, true>(acc, codes, x)
+            } else {
+                sums::<VNNI, false>(acc, codes, x)
+            }
+        }
+    }
+
     /// `acc` plus, in each row's lane, the products of that row's codes (four a byte lane of
     /// each of `codes`) with 16 input codes, four broadcast to each lane at a time. SIGNED: the
-    /// codes are Q8_0's, stored plus 128, taken signed by the sign trick (plain AVX2).
+    /// codes are stored plus 128, taken signed by the sign trick (plain AVX2).
     #[inline(always)]
     unsafe fn sums<const VNNI: bool, const SIGNED: bool>(mut acc: __m256i, codes: &[__m256i; 4], x: &[i8]) -> __m256i {
         assert_eq!(x.len(), 16);
@@ -415,6 +437,11 @@ mod x86 {
                 let nibbles = load(&piece[32 * v..]);
                 low[v] = _mm256_and_si256(nibbles, _mm256_set1_epi8(15));
                 high[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(nibbles), _mm256_set1_epi8(15));
+                if let Some(levels) = levels(format) {
+                    // Each index looked up: its level plus 128, as an unsigned byte.
+                    let table = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128(levels.as_ptr().cast())), _mm256_set1_epi8(i8::MIN));
+                    (low[v], high[v]) = (_mm256_shuffle_epi8(table, low[v]), _mm256_shuffle_epi8(table, high[v]));
+                }
                 // Shifts of 16-bit lanes: each moves the wanted bits within their own byte.
                 if format == GgmlFormat::Q5_K {
                     let fifth = load(&piece[128..]);
@@ -443,6 +470,19 @@ mod x86 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(bytes.as_ptr().cast())) }
     }
 
+    /// Eight E8M0 bytes (a row each) as `e8m0_half` gives them: 2^(e − 128), built as bits.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn powers_of_two(bytes: &[u8]) -> __m256 {
+        assert!(bytes.len() >= 8);
+        // SAFETY: 8 bytes, checked above.
+        let e = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(bytes.as_ptr().cast()) });
+        let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+        let subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+        let bits = _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1)));
+        _mm256_castsi256_ps(bits)
+    }
+
     /// Eight bytes (a row each) as floats, unsigned or signed.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -466,6 +506,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::interleaved::tests::random_blocks;
     use crate::quant::interleaved::FORMATS;
     use crate::quant::{dot, GgmlMatrix, QuantMatrix};
     use crate::sampling::Rng;
@@ -473,23 +514,6 @@ mod tests {
 
     fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * scale).collect()
-    }
-
-    /// Random blocks of `format` (random bytes, with finite f16 scales where the format has them).
-    fn random_blocks(rng: &mut Rng, format: GgmlFormat, blocks: usize) -> Vec<u8> {
-        let mut data: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| (rng.next_u64() & 0xff) as u8).collect();
-        let halves: &[usize] = match format {
-            GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
-            GgmlFormat::Q6_K => &[208],
-            _ => &[0],
-        };
-        for block in data.chunks_exact_mut(format.block_bytes()) {
-            for &at in halves {
-                let v = f16::from_f32((rng.next_f64() as f32 - 0.5) * 0.02);
-                block[at..at + 2].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        data
     }
 
     fn quantized(x: &[f32]) -> Vec<Q8Block> {

@@ -49,14 +49,41 @@ struct Shared {
     stop: AtomicBool,
 }
 
+/// One thread per physical core, at most one per CPU this process may use: a core's second
+/// hardware thread shares the vector units that these loops keep busy, so it adds contention,
+/// not speed (llama.cpp's default too). The cores are counted from Linux's CPU topology; elsewhere,
+/// or if it cannot be read, every CPU the OS offers.
+pub fn default_threads() -> usize {
+    let available = std::thread::available_parallelism().map_or(1, |n| n.get());
+    physical_cores().map_or(available, |cores| cores.clamp(1, available))
+}
+
+/// Distinct (package, core) pairs among the online CPUs.
+fn physical_cores() -> Option<usize> {
+    let read = |path: std::path::PathBuf| std::fs::read_to_string(path).ok().map(|s| s.trim().to_string());
+    let mut cores = std::collections::HashSet::new();
+    for entry in std::fs::read_dir("/sys/devices/system/cpu").ok()?.flatten() {
+        let name = entry.file_name();
+        let is_cpu = name.to_str().is_some_and(|n| n.strip_prefix("cpu").is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit())));
+        // An offline CPU says "0" in `online` (cpu0 often has no such file: always online).
+        if !is_cpu || read(entry.path().join("online")).is_some_and(|o| o == "0") {
+            continue;
+        }
+        let topology = entry.path().join("topology");
+        cores.insert((read(topology.join("physical_package_id"))?, read(topology.join("core_id"))?));
+    }
+    (!cores.is_empty()).then_some(cores.len())
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Workers {
-    /// `threads` threads in all (the caller and `threads - 1` helpers); 0 = one per core.
+    /// `threads` threads in all (the caller and `threads - 1` helpers); 0 = one per physical core
+    /// (`default_threads`).
     pub fn new(threads: usize) -> Result<Self> {
-        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let threads = if threads == 0 { default_threads() } else { threads };
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
             job: Mutex::new(None),

@@ -143,7 +143,7 @@ pub struct LoadArgs {
     /// Context size in tokens (prompt + answer); default: the model's limit, at most 4096.
     #[arg(short = 'c', long)]
     ctx_size: Option<usize>,
-    /// CPU threads; 0 uses every core.
+    /// CPU threads; 0 uses one per physical core.
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
     /// MiB kept for the prefix cache: pieces of earlier prompts and answers that a later prompt
