@@ -42,21 +42,9 @@ pub const GROUP: usize = 8;
 /// Values a piece holds (one block of the 8-bit input).
 pub const PIECE: usize = 32;
 
-/// The formats the layout takes.
-pub const FORMATS: [GgmlFormat; 12] = [
-    GgmlFormat::Q8_0,
-    GgmlFormat::Q4_0,
-    GgmlFormat::Q4_1,
-    GgmlFormat::Q4_K,
-    GgmlFormat::Q5_K,
-    GgmlFormat::Q6_K,
-    GgmlFormat::IQ4_NL,
-    GgmlFormat::IQ4_XS,
-    GgmlFormat::MXFP4,
-    GgmlFormat::NVFP4,
-    GgmlFormat::ROCMFP4,
-    GgmlFormat::ROCMFP4_FAST,
-];
+/// The formats the layout takes: all of GGUF's block formats that Atlas reads but Q5_0 and Q5_1,
+/// which `GgmlFormat::ALL` lists last.
+pub const FORMATS: &[GgmlFormat] = GgmlFormat::ALL.split_at(12).0;
 
 /// (header bytes of a group's block, bytes of each piece).
 #[inline(always)]
@@ -418,7 +406,7 @@ pub(crate) mod tests {
     #[test]
     fn packed_rows_dequantise_as_the_file_does() {
         let mut rng = Rng::new(3);
-        for format in FORMATS {
+        for &format in FORMATS {
             let (rows, cols) = (11, 2 * format.block_size().max(64));
             let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
             let order: Vec<usize> = (0..rows).rev().collect();

@@ -592,7 +592,7 @@ mod tests {
     #[test]
     fn integer_dots_match_the_reference_and_each_other() {
         let mut rng = Rng::new(11);
-        for format in FORMATS {
+        for &format in FORMATS {
             for blocks in [1, 3] {
                 let (rows, cols) = (11, blocks * format.block_size().max(64));
                 let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
