@@ -5,7 +5,7 @@
 //! horizontal sums, and a block's scales are applied to eight rows at once.
 //!
 //! Codes are read unsigned (`u` = code + bias: Q8_0 and the codebook formats + 128, Q4_0 + 8,
-//! Q6_K + 32; the others have none), so `dpbusd` (unsigned × signed bytes) takes them as they are. A group's data is,
+//! Q5_0 + 16, Q6_K + 32; the others have none), so `dpbusd` (unsigned × signed bytes) takes them as they are. A group's data is,
 //! for each block of its rows (32 values, or 256 for the k-quants), a header and then one piece
 //! per 32 values:
 //!
@@ -16,6 +16,7 @@
 //! | Q4_1 | d, m (f16) | 4 vectors of nibbles |
 //! | Q4_K | d, dmin (f16); 6-bit scales, then minimums (u8), for each of the 8 pieces | 4 vectors of nibbles |
 //! | Q5_K | as Q4_K | 4 vectors of nibbles, 1 of fifth bits |
+//! | Q5_0, Q5_1 | as Q4_0, Q4_1 | as Q5_K |
 //! | Q6_K | d (f16); signed scales (i8) of each piece's two halves | 4 vectors of nibbles, 2 of high bit pairs |
 //! | IQ4_NL | d (f16) | 4 vectors of level indices |
 //! | IQ4_XS | d (f16); signed 6-bit scales (i8, ls − 32) of the 8 pieces | as IQ4_NL |
@@ -42,9 +43,8 @@ pub const GROUP: usize = 8;
 /// Values a piece holds (one block of the 8-bit input).
 pub const PIECE: usize = 32;
 
-/// The formats the layout takes: all of GGUF's block formats that Atlas reads but Q5_0 and Q5_1,
-/// which `GgmlFormat::ALL` lists last.
-pub const FORMATS: &[GgmlFormat] = GgmlFormat::ALL.split_at(12).0;
+/// The formats the layout takes: every GGUF block format Atlas reads.
+pub const FORMATS: [GgmlFormat; 14] = GgmlFormat::ALL;
 
 /// (header bytes of a group's block, bytes of each piece).
 #[inline(always)]
@@ -55,6 +55,8 @@ pub fn layout(format: GgmlFormat) -> (usize, usize) {
         GgmlFormat::Q4_1 => (32, 128),
         GgmlFormat::Q4_K => (160, 128),
         GgmlFormat::Q5_K => (160, 160),
+        GgmlFormat::Q5_0 => (16, 160),
+        GgmlFormat::Q5_1 => (32, 160),
         GgmlFormat::Q6_K => (144, 192),
         GgmlFormat::IQ4_XS => (80, 128),
         GgmlFormat::MXFP4 => (8, 128),
@@ -86,16 +88,23 @@ pub fn two_scales(format: GgmlFormat) -> bool {
 pub fn bias(format: GgmlFormat) -> i32 {
     match format {
         GgmlFormat::Q4_0 => 8,
+        GgmlFormat::Q5_0 => 16,
         GgmlFormat::Q6_K => 32,
-        GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => 0,
+        GgmlFormat::Q4_1 | GgmlFormat::Q5_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => 0,
         _ => 128,
     }
 }
 
-/// Whether every value adds an offset (Q4_1's m, the k-quants' minimums).
+/// Whether every value adds an offset (Q4_1's and Q5_1's m, the k-quants' minimums).
 #[inline(always)]
 pub fn has_offset(format: GgmlFormat) -> bool {
-    matches!(format, GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K)
+    matches!(format, GgmlFormat::Q4_1 | GgmlFormat::Q5_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K)
+}
+
+/// Whether codes have a fifth bit, in a vector after the nibbles.
+#[inline(always)]
+pub fn fifth_bits(format: GgmlFormat) -> bool {
+    matches!(format, GgmlFormat::Q5_0 | GgmlFormat::Q5_1 | GgmlFormat::Q5_K)
 }
 
 /// Pieces in one block of the format.
@@ -118,7 +127,7 @@ pub fn piece_scales(format: GgmlFormat, header: &[u8], r: usize, k: usize) -> (f
     let field = |at: usize| f16_at(header, at + 2 * r);
     let d = if format == GgmlFormat::MXFP4 { 0.0 } else { field(0) };
     match format {
-        GgmlFormat::Q4_1 => (d, d, field(16)),
+        GgmlFormat::Q4_1 | GgmlFormat::Q5_1 => (d, d, field(16)),
         GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
             let scale = d * f32::from(header[32 + 8 * k + r]);
             (scale, scale, -(field(16) * f32::from(header[96 + 8 * k + r])))
@@ -148,7 +157,7 @@ pub fn code(format: GgmlFormat, piece: &[u8], r: usize, j: usize) -> u8 {
     let byte = piece[32 * v + 4 * r + c];
     let nibble = if half == 0 { byte & 15 } else { byte >> 4 };
     match format {
-        GgmlFormat::Q5_K => nibble | ((piece[128 + 4 * r + c] >> (4 * half + v)) & 1) << 4,
+        GgmlFormat::Q5_0 | GgmlFormat::Q5_1 | GgmlFormat::Q5_K => nibble | ((piece[128 + 4 * r + c] >> (4 * half + v)) & 1) << 4,
         GgmlFormat::Q6_K => nibble | ((piece[128 + 32 * half + 4 * r + c] >> (2 * v)) & 3) << 4,
         _ => match levels(format) {
             Some(levels) => (levels[usize::from(nibble)] as u8) ^ 0x80,
@@ -178,14 +187,10 @@ impl std::fmt::Debug for InterleavedMatrix {
 }
 
 impl InterleavedMatrix {
-    /// `m`'s rows (or those of `rows`, in that order) repacked; None when the format is not one
-    /// of `FORMATS`. The source's pages of a mapped file are released as they are copied (all
+    /// `m`'s rows (or those of `rows`, in that order) repacked. The source's pages of a mapped file are released as they are copied (all
     /// at the end for chosen rows), so that a matrix is never resident twice.
-    pub fn pack(m: &GgmlMatrix, rows: Option<&[usize]>) -> Option<Self> {
+    pub fn pack(m: &GgmlMatrix, rows: Option<&[usize]>) -> Self {
         let format = m.format();
-        if !FORMATS.contains(&format) {
-            return None;
-        }
         let count = rows.map_or(m.rows(), <[usize]>::len);
         let row = |i: usize| m.row_blocks(rows.map_or(i, |r| r[i]));
         let (blocks, block_bytes, group_block) = (m.cols() / format.block_size(), format.block_bytes(), group_block_bytes(format));
@@ -201,7 +206,7 @@ impl InterleavedMatrix {
             }
         }
         m.release_rows(0..m.rows());
-        Some(InterleavedMatrix { format, rows: count, cols: m.cols(), data })
+        InterleavedMatrix { format, rows: count, cols: m.cols(), data }
     }
 
     pub fn format(&self) -> GgmlFormat {
@@ -274,7 +279,7 @@ fn pack_block(format: GgmlFormat, block: &[u8], r: usize, out: &mut [u8]) {
                     continue;
                 }
                 piece[at] = (low & 15) | (high & 15) << 4;
-                if format == GgmlFormat::Q5_K {
+                if fifth_bits(format) {
                     piece[128 + 4 * r + c] |= (low >> 4) << v | (high >> 4) << (4 + v);
                 } else if format == GgmlFormat::Q6_K {
                     piece[128 + 4 * r + c] |= (low >> 4) << (2 * v);
@@ -307,6 +312,14 @@ fn file_codes(format: GgmlFormat, block: &[u8], k: usize) -> [u8; PIECE] {
                 (u[j], u[j + 16]) = (c & 15, c >> 4);
             }
         }
+        GgmlFormat::Q5_0 | GgmlFormat::Q5_1 => {
+            let (nibbles, qh) = if format == GgmlFormat::Q5_0 { (&block[6..22], &block[2..6]) } else { (&block[8..24], &block[4..8]) };
+            let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+            for (j, &c) in nibbles.iter().enumerate() {
+                let fifth = |at: usize| (((qh >> at) & 1) as u8) << 4;
+                (u[j], u[j + 16]) = ((c & 15) | fifth(j), (c >> 4) | fifth(j + 16));
+            }
+        }
         GgmlFormat::NVFP4 => {
             // Two runs of 16, each 8 bytes: low nibbles its first 8 values, high nibbles the rest.
             for (run, qs) in block[4 + 16 * k..][..16].chunks_exact(8).enumerate() {
@@ -331,7 +344,6 @@ fn file_codes(format: GgmlFormat, block: &[u8], k: usize) -> [u8; PIECE] {
                 *u = nibble | ((block[128 + 32 * n + l] >> (2 * part)) & 3) << 4;
             }
         }
-        _ => unreachable!("{format:?} is not one of FORMATS"),
     }
     u
 }
@@ -380,9 +392,9 @@ pub(crate) mod tests {
     pub(crate) fn random_blocks(rng: &mut Rng, format: GgmlFormat, blocks: usize) -> Vec<u8> {
         let mut data: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| (rng.next_u64() & 0xff) as u8).collect();
         let halves: &[usize] = match format {
-            GgmlFormat::Q4_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
+            GgmlFormat::Q4_1 | GgmlFormat::Q5_1 | GgmlFormat::Q4_K | GgmlFormat::Q5_K => &[0, 2],
             GgmlFormat::Q6_K => &[208],
-            GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => &[0],
+            GgmlFormat::Q8_0 | GgmlFormat::Q4_0 | GgmlFormat::Q5_0 | GgmlFormat::IQ4_NL | GgmlFormat::IQ4_XS => &[0],
             _ => &[],
         };
         for block in data.chunks_exact_mut(format.block_bytes()) {
@@ -406,12 +418,12 @@ pub(crate) mod tests {
     #[test]
     fn packed_rows_dequantise_as_the_file_does() {
         let mut rng = Rng::new(3);
-        for &format in FORMATS {
+        for format in FORMATS {
             let (rows, cols) = (11, 2 * format.block_size().max(64));
             let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
             let order: Vec<usize> = (0..rows).rev().collect();
             for picked in [None, Some(&order[..])] {
-                let packed = InterleavedMatrix::pack(&m, picked).unwrap();
+                let packed = InterleavedMatrix::pack(&m, picked);
                 assert_eq!((packed.rows(), packed.cols(), packed.groups()), (rows, cols, 2));
                 for r in 0..rows {
                     let (mut want, mut got) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
@@ -422,11 +434,5 @@ pub(crate) mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn other_formats_are_not_packed() {
-        let m = GgmlMatrix::new(GgmlFormat::Q5_0, 1, 32, vec![0u8; 22]).unwrap();
-        assert!(InterleavedMatrix::pack(&m, None).is_none());
     }
 }

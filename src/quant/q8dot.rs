@@ -180,7 +180,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP, Q8_BLOCK};
-    use crate::quant::interleaved::{group_block_bytes, levels, two_scales, FORMATS};
+    use crate::quant::interleaved::{fifth_bits, group_block_bytes, levels, two_scales, FORMATS};
 
 
     /// # Safety
@@ -268,7 +268,9 @@ mod x86 {
                 Some(8) => grid::<8, VNNI>(m, groups, inputs, out),
                 Some(9) => grid::<9, VNNI>(m, groups, inputs, out),
                 Some(10) => grid::<10, VNNI>(m, groups, inputs, out),
-                _ => grid::<11, VNNI>(m, groups, inputs, out),
+                Some(11) => grid::<11, VNNI>(m, groups, inputs, out),
+                Some(12) => grid::<12, VNNI>(m, groups, inputs, out),
+                _ => grid::<13, VNNI>(m, groups, inputs, out),
             }
         }
     }
@@ -443,7 +445,7 @@ mod x86 {
                     (low[v], high[v]) = (_mm256_shuffle_epi8(table, low[v]), _mm256_shuffle_epi8(table, high[v]));
                 }
                 // Shifts of 16-bit lanes: each moves the wanted bits within their own byte.
-                if format == GgmlFormat::Q5_K {
+                if fifth_bits(format) {
                     let fifth = load(&piece[128..]);
                     let up = _mm256_sll_epi16(fifth, _mm_cvtsi32_si128(4 - v as i32));
                     let down = _mm256_srl_epi16(fifth, _mm_cvtsi32_si128(v as i32));
@@ -592,11 +594,11 @@ mod tests {
     #[test]
     fn integer_dots_match_the_reference_and_each_other() {
         let mut rng = Rng::new(11);
-        for &format in FORMATS {
+        for format in FORMATS {
             for blocks in [1, 3] {
                 let (rows, cols) = (11, blocks * format.block_size().max(64));
                 let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
-                let packed = InterleavedMatrix::pack(&m, None).unwrap();
+                let packed = InterleavedMatrix::pack(&m, None);
                 for tokens in [1, 3, 6] {
                     let xs: Vec<Vec<f32>> = (0..tokens).map(|_| random(&mut rng, cols, 2.0)).collect();
                     let inputs: Vec<Vec<Q8Block>> = xs.iter().map(|x| quantized(x)).collect();
@@ -632,7 +634,7 @@ mod tests {
             *b = if i % 2 == 0 { 0x80 } else { 0x7f };
         }
         let m = GgmlMatrix::new(GgmlFormat::Q8_0, 1, 32, block).unwrap();
-        let packed = InterleavedMatrix::pack(&m, None).unwrap();
+        let packed = InterleavedMatrix::pack(&m, None);
         let x = Q8Block { d: 1.0, sum: 0.0, halves: [127 * 16; 2], qs: [127; 32] };
         let want = 16.0 * (-128.0 * 127.0) + 16.0 * (127.0 * 127.0);
         for k in DotKernel::available() {

@@ -111,12 +111,16 @@ static int32_t chat(AtlasModel *m, const char *req, struct stream_state *s, char
 
 static const char *GREEDY =
     "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hello, caf\xc3\xa9!\"}],"
-    "\"temperature\":0,\"max_tokens\":24%s}";
+    "\"temperature\":0,\"max_tokens\":%d%s}";
+
+static char *request_tokens(int max_tokens, const char *extra) {
+    static _Thread_local char buf[1024];
+    snprintf(buf, sizeof buf, GREEDY, max_tokens, extra);
+    return buf;
+}
 
 static char *request(const char *extra) {
-    static _Thread_local char buf[1024];
-    snprintf(buf, sizeof buf, GREEDY, extra);
-    return buf;
+    return request_tokens(24, extra);
 }
 
 static void test_bad_options(void) {
@@ -311,7 +315,9 @@ static void test_unload_race(const char *dir, int rounds) {
 }
 
 /* Requests use the model in arrival order: B arrives while A's first request runs, so B is
-   served before A's second request, which arrives after A's first returns. */
+   served before A's second request, which arrives after A's first returns. A2 asks for many more
+   tokens than B: B, served first, has returned before A2 ends even when its thread is slow to
+   return after letting the engine go (A2 of the same length could end first: 1 run in 10). */
 static AtlasModel *fifo_model;
 static atomic_int fifo_order, b_done_at, a2_done_at;
 
@@ -343,7 +349,7 @@ static void test_arrival_order(const char *dir) {
     CHECK(p_chat(fifo_model, request(",\"stream\":true"), start_b_then_wait, &started, &resp, &err) == ATLAS_STATUS_OK, "A1");
     p_free(resp);
     p_free(err);
-    CHECK(chat(fifo_model, request(""), NULL, NULL) == ATLAS_STATUS_OK, "A2");
+    CHECK(chat(fifo_model, request_tokens(200, ""), NULL, NULL) == ATLAS_STATUS_OK, "A2");
     atomic_store(&a2_done_at, atomic_fetch_add(&fifo_order, 1) + 1);
     if (started) pthread_join(fifo_thread, NULL);
     CHECK(atomic_load(&b_done_at) == 1 && atomic_load(&a2_done_at) == 2, "B finished #%d, A2 #%d", atomic_load(&b_done_at),

@@ -1,8 +1,8 @@
 //! The reference backend: plain Rust, f32 accumulation, fixed summation order. Rows of a product
 //! are spread over the backend's own threads (`workers`); every output element is computed by
-//! one thread in one order, so results do not depend on the thread count. Block-format weights
-//! (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) take integer dot products against an 8-bit copy of
-//! the input unless the f32 reference is asked for (`CpuKernels`; see quant::q8dot).
+//! one thread in one order, so results do not depend on the thread count. GGUF block-format
+//! weights are repacked on upload (quant::interleaved) and take integer dot products against an
+//! 8-bit copy of the input unless the f32 reference is asked for (`CpuKernels`; see quant::q8dot).
 
 mod workers;
 
@@ -387,8 +387,8 @@ impl Backend for CpuBackend {
         true
     }
 
-    /// Block formats that the integer kernels take are repacked for them (`interleaved`);
-    /// everything else stays as loaded.
+    /// Block formats are repacked for the integer kernels (`interleaved`); everything else
+    /// stays as loaded.
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight> {
         if self.dot.is_none() {
             return Ok(w);
@@ -401,10 +401,7 @@ impl Backend for CpuBackend {
             },
             (None, None) => return Ok(w),
         };
-        Ok(match InterleavedMatrix::pack(matrix, rows) {
-            Some(packed) => Box::new(packed),
-            None => w,
-        })
+        Ok(Box::new(InterleavedMatrix::pack(matrix, rows)))
     }
 
     fn upload_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<GatedMlp<Self>>) -> Result<Self::Experts> {
