@@ -8,7 +8,7 @@ mod workers;
 
 use workers::Workers;
 
-use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Rope, Routing};
+use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Proj, Rope, Routing};
 use crate::quant::interleaved::{InterleavedMatrix, GROUP};
 use crate::quant::q8dot::{self, DotKernel, Q8Block};
 use crate::quant::{dot, dots, QuantMatrix};
@@ -124,16 +124,45 @@ impl CpuBackend {
         Ok(CpuBackend { workers, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
     }
 
-    /// `x · wᵀ` on the integer kernel: the input quantised a token at a time, then two groups of
-    /// eight rows a task, every token's products of a group in one pass; `[T, N]`.
-    fn integer_linear(&self, kernel: DotKernel, w: &InterleavedMatrix, x: &CpuTensor) -> Vec<f32> {
-        let (n, t) = (w.rows(), x.rows);
-        let mut inputs: Vec<Vec<Q8Block>> = vec![Vec::new(); t];
+    /// `linear`, taking the input's 8-bit copy from `quantized` (made there on first use): the
+    /// products of one input share it.
+    fn linear_sharing(&self, x: &CpuTensor, w: &dyn QuantMatrix, bias: Option<&CpuTensor>, quantized: &mut Option<Vec<Vec<Q8Block>>>) -> Result<CpuTensor> {
+        let (n, k, t) = (w.rows(), w.cols(), x.rows);
+        if x.cols != k {
+            return Err(Error::InvalidArgument(format!("linear: input width {} but weight has {k} columns", x.cols)));
+        }
+        if t == 0 {
+            return Ok(CpuTensor::new(0, n, Vec::new()));
+        }
+        let mut out = match (self.dot, w.as_interleaved()) {
+            (Some(kernel), Some(packed)) => self.integer_linear(kernel, packed, quantized.get_or_insert_with(|| self.quantized(kernel, x))),
+            _ => self.reference_linear(w, x),
+        };
+        if let Some(b) = bias {
+            for row in out.chunks_exact_mut(n) {
+                for (v, bv) in row.iter_mut().zip(&b.data) {
+                    *v += bv;
+                }
+            }
+        }
+        Ok(CpuTensor::new(t, n, out))
+    }
+
+    /// Each row of `x` quantised to 8 bits for `kernel`.
+    fn quantized(&self, kernel: DotKernel, x: &CpuTensor) -> Vec<Vec<Q8Block>> {
+        let mut inputs: Vec<Vec<Q8Block>> = vec![Vec::new(); x.rows];
         self.workers.for_each(&mut inputs, || (), |_, tok, q| q8dot::quantize_input(kernel, x.row(tok), q));
+        inputs
+    }
+
+    /// `x · wᵀ` on the integer kernel, for `inputs` = `x` quantised: two groups of eight rows a
+    /// task, every token's products of a group in one pass; `[T, N]`.
+    fn integer_linear(&self, kernel: DotKernel, w: &InterleavedMatrix, inputs: &[Vec<Q8Block>]) -> Vec<f32> {
+        let (n, t) = (w.rows(), inputs.len());
         // [group][token][row of the group]
         let mut by_group = vec![0f32; w.groups() * t * GROUP];
         self.workers.for_each(&mut by_group.chunks_mut(2 * t * GROUP).collect::<Vec<_>>(), || (), |_, chunk, out| {
-            q8dot::dot_groups(kernel, w, 2 * chunk..2 * chunk + out.len() / (t * GROUP), &inputs, out);
+            q8dot::dot_groups(kernel, w, 2 * chunk..2 * chunk + out.len() / (t * GROUP), inputs, out);
         });
         if t == 1 {
             by_group.truncate(n);
@@ -507,25 +536,24 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &Self::Weight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        let (n, k, t) = (w.rows(), w.cols(), x.rows);
-        if x.cols != k {
-            return Err(Error::InvalidArgument(format!("linear: input width {} but weight has {k} columns", x.cols)));
-        }
-        if t == 0 {
-            return Ok(CpuTensor::new(0, n, Vec::new()));
-        }
-        let mut out = match (self.dot, w.as_interleaved()) {
-            (Some(kernel), Some(packed)) => self.integer_linear(kernel, packed, x),
-            _ => self.reference_linear(w.as_ref(), x),
-        };
-        if let Some(b) = bias {
-            for row in out.chunks_exact_mut(n) {
-                for (v, bv) in row.iter_mut().zip(&b.data) {
-                    *v += bv;
-                }
-            }
-        }
-        Ok(CpuTensor::new(t, n, out))
+        self.linear_sharing(x, w.as_ref(), bias, &mut None)
+    }
+
+    /// Quantises the input once for all the products.
+    fn norm_linears<const N: usize>(&self, x: &CpuTensor, norm: &CpuTensor, eps: f32, projs: [Proj<'_, Self>; N]) -> Result<[CpuTensor; N]> {
+        let xn = self.rms_norm(x, norm, eps)?;
+        let mut quantized = None;
+        let out = projs.iter().map(|p| self.linear_sharing(&xn, p.weight.as_ref(), p.bias, &mut quantized)).collect::<Result<Vec<_>>>()?;
+        out.try_into().map_err(|_| Error::InvalidArgument("norm_linears: projection count".into()))
+    }
+
+    /// Quantises the input once for both products.
+    fn norm_silu_gate_up(&self, x: &CpuTensor, norm: &CpuTensor, eps: f32, gate: Proj<'_, Self>, up: Proj<'_, Self>) -> Result<CpuTensor> {
+        let xn = self.rms_norm(x, norm, eps)?;
+        let mut quantized = None;
+        let g = self.linear_sharing(&xn, gate.weight.as_ref(), gate.bias, &mut quantized)?;
+        let u = self.linear_sharing(&xn, up.weight.as_ref(), up.bias, &mut quantized)?;
+        self.silu_mul(&g, &u)
     }
 
     fn rope(&self, x: &mut CpuTensor, rope: &Rope, start_pos: usize) -> Result<()> {
