@@ -221,11 +221,11 @@ impl CpuBackend {
     }
 }
 
-/// A thread's scratch space in `attention`: the scores of a query, and one KV head's keys and
-/// values copied out of the cache (`head`), position after position.
+/// A thread's scratch space in `attention`: the scores of each query of a tile, and one KV head's
+/// keys and values copied out of the cache (`head`), position after position.
 #[derive(Default)]
 struct HeadScratch {
-    scores: Vec<f32>,
+    scores: Vec<Vec<f32>>,
     head: Option<usize>,
     keys: Vec<f32>,
     values: Vec<f32>,
@@ -240,19 +240,61 @@ struct Query<'a> {
     scale: f32,
 }
 
-/// softmax(q · keysᵀ · scale) · values for one query row (cache rows `width` apart), into `o`;
-/// WIDE: inlined into
+/// softmax(q · keysᵀ · scale) · values for each of a tile of query rows of one head (cache rows
+/// `width` apart), into `outs`. The tile goes through the positions SPAN at a time, each span's
+/// keys and values used by every query while they are in cache: a long prompt's queries read
+/// their head's cache a tile at a time, not each alone. Every query's arithmetic is the one it has
+/// alone (each score its own dot; each output adds the positions in order, four a step), so a
+/// token gets the same bits in any tile, prompt or decode step. WIDE: inlined into
 /// `attend_wide`, whose AVX2 its key products use.
 #[inline(always)]
-fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
-    let (d, offset) = (query.q.len(), query.offset);
-    scores.clear();
-    // The products in plain loops, not iterator adapters: a closure would not inherit
-    // attend_wide's features.
-    let key = |p: usize| &keys[p * width + offset..][..d];
+fn attend<const WIDE: bool>(queries: &[Query], keys: &[f32], values: &[f32], width: usize, scores: &mut [Vec<f32>], outs: &mut [&mut [f32]]) {
+    let last = queries.iter().map(|q| q.visible).max().unwrap_or(0);
+    // Plain loops, not iterator adapters: a closure would not inherit attend_wide's features.
+    for s in scores.iter_mut() {
+        s.clear();
+    }
+    for start in (0..last).step_by(SPAN) {
+        for (query, s) in queries.iter().zip(scores.iter_mut()) {
+            key_scores::<WIDE>(query, keys, width, start..(start + SPAN).min(query.visible), s);
+        }
+    }
+    for s in scores.iter_mut() {
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for v in s.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        for v in s.iter_mut() {
+            *v /= sum;
+        }
+    }
+    for o in outs.iter_mut() {
+        o.fill(0.0);
+    }
+    for start in (0..last).step_by(SPAN) {
+        for ((query, s), o) in queries.iter().zip(scores.iter()).zip(outs.iter_mut()) {
+            weighted_values(query.offset, values, width, s, start..(start + SPAN).min(s.len()), o);
+        }
+    }
+}
+
+/// Queries of one head that `attend` takes together.
+const TILE: usize = 4;
+
+/// Positions a tile of queries takes together (a multiple of eight): 128 KiB of keys at a head
+/// size of 128, which stay in L2 while the tile's queries use them.
+const SPAN: usize = 256;
+
+/// The scaled scores of `positions` (starting at a multiple of eight), appended to `scores`.
+#[inline(always)]
+fn key_scores<const WIDE: bool>(query: &Query, keys: &[f32], width: usize, positions: std::ops::Range<usize>, scores: &mut Vec<f32>) {
+    let d = query.q.len();
+    let key = |p: usize| &keys[p * width + query.offset..][..d];
     // Eight keys a call: eight chains of adds in flight, not four (each add waits on the last).
-    let mut p = 0;
-    while p + 8 <= query.visible {
+    let mut p = positions.start;
+    while p + 8 <= positions.end {
         let eight = [key(p), key(p + 1), key(p + 2), key(p + 3), key(p + 4), key(p + 5), key(p + 6), key(p + 7)];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: WIDE only inside attend_wide, which needs AVX2.
@@ -264,46 +306,46 @@ fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: 
         }
         p += 8;
     }
-    for p in p..query.visible {
+    for p in p..positions.end {
         scores.push(dot(query.q, key(p)) * query.scale);
     }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    for s in scores.iter_mut() {
-        *s /= sum;
-    }
-    // Sixty-four outputs at a time stay in registers over every position, four positions a step
-    // added as a tree first, so that each accumulator waits on one add a step, not four.
+}
+
+/// `o += Σ weights[p] · value(p)` over `positions` (starting at a multiple of four): the positions
+/// before the last multiple of four of all the weights four a step, added as a tree first (so
+/// that each accumulator waits on one add a step, not four), the rest one by one. Sixty-four
+/// outputs at a time stay in registers.
+#[inline(always)]
+fn weighted_values(offset: usize, values: &[f32], width: usize, weights: &[f32], positions: std::ops::Range<usize>, o: &mut [f32]) {
+    let d = o.len();
     let value = |p: usize| &values[p * width + offset..][..d];
-    let full = scores.len() / 4 * 4;
+    let full = weights.len() / 4 * 4;
+    let (grouped, single) = (positions.start..positions.end.min(full), positions.start.max(full)..positions.end);
     let mut at = 0;
     while at < d {
         let n = (d - at).min(BLOCK);
         let mut acc = [0f32; BLOCK];
+        acc[..n].copy_from_slice(&o[at..at + n]);
         if n == BLOCK {
             let block = |p: usize| -> &[f32; BLOCK] { value(p)[at..at + BLOCK].try_into().expect("a block") };
-            for p in (0..full).step_by(4) {
-                let (w, v) = ([scores[p], scores[p + 1], scores[p + 2], scores[p + 3]], [block(p), block(p + 1), block(p + 2), block(p + 3)]);
+            for p in grouped.clone().step_by(4) {
+                let (w, v) = ([weights[p], weights[p + 1], weights[p + 2], weights[p + 3]], [block(p), block(p + 1), block(p + 2), block(p + 3)]);
                 for i in 0..BLOCK {
                     acc[i] += (w[0] * v[0][i] + w[1] * v[1][i]) + (w[2] * v[2][i] + w[3] * v[3][i]);
                 }
             }
         } else {
-            for p in (0..full).step_by(4) {
-                let w = [scores[p], scores[p + 1], scores[p + 2], scores[p + 3]];
+            for p in grouped.clone().step_by(4) {
+                let w = [weights[p], weights[p + 1], weights[p + 2], weights[p + 3]];
                 let v = [&value(p)[at..], &value(p + 1)[at..], &value(p + 2)[at..], &value(p + 3)[at..]];
                 for (i, acc) in acc[..n].iter_mut().enumerate() {
                     *acc += (w[0] * v[0][i] + w[1] * v[1][i]) + (w[2] * v[2][i] + w[3] * v[3][i]);
                 }
             }
         }
-        for (p, &weight) in scores.iter().enumerate().skip(full) {
+        for p in single.clone() {
             for (acc, vv) in acc[..n].iter_mut().zip(&value(p)[at..]) {
-                *acc += weight * vv;
+                *acc += weights[p] * vv;
             }
         }
         o[at..at + n].copy_from_slice(&acc[..n]);
@@ -311,7 +353,7 @@ fn attend<const WIDE: bool>(query: &Query, keys: &[f32], values: &[f32], width: 
     }
 }
 
-/// Outputs of one head that `attend` keeps in registers (eight AVX registers).
+/// Outputs of one head that `weighted_values` keeps in registers (eight AVX registers).
 const BLOCK: usize = 64;
 
 fn attend_wide_available() -> bool {
@@ -328,8 +370,8 @@ fn attend_wide_available() -> bool {
 /// The CPU must support AVX2 (`attend_wide_available`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn attend_wide(query: &Query, keys: &[f32], values: &[f32], width: usize, scores: &mut Vec<f32>, o: &mut [f32]) {
-    attend::<true>(query, keys, values, width, scores, o)
+unsafe fn attend_wide(queries: &[Query], keys: &[f32], values: &[f32], width: usize, scores: &mut [Vec<f32>], outs: &mut [&mut [f32]]) {
+    attend::<true>(queries, keys, values, width, scores, outs)
 }
 
 fn same_shape(a: &CpuTensor, b: &CpuTensor, op: &str) -> Result<()> {
@@ -605,20 +647,24 @@ impl Backend for CpuBackend {
         let group = num_heads / num_kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
         let (keys, values) = (&cache.keys, &cache.values);
-        // One task per (head, token), each writing its own head_dim slice of the output, in head
-        // order: the threads' contiguous shares then hold whole heads, the same causal work each.
+        // One task per head and tile of TILE tokens, each writing its tokens' head_dim slices of
+        // the output, in head order: the threads' contiguous shares then hold whole heads, the
+        // same causal work each.
         let mut out = vec![0f32; t * num_heads * d];
-        let mut tasks: Vec<(usize, &mut [f32])> = out.chunks_mut(d).enumerate().collect();
-        tasks.sort_by_key(|&(idx, _)| (idx % num_heads, idx / num_heads));
+        let mut slices: Vec<Option<&mut [f32]>> = out.chunks_mut(d).map(Some).collect();
+        let mut tasks: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
+        for h in 0..num_heads {
+            for first in (0..t).step_by(TILE) {
+                let outs = (first..t.min(first + TILE)).filter_map(|tok| slices[tok * num_heads + h].take()).collect();
+                tasks.push((h, first, outs));
+            }
+        }
         // A prompt's queries take their head's keys and values from a contiguous copy, made once
         // per head and thread: in the cache they lie a position's width apart, a stream the
         // prefetchers do not follow. (A token or a few read them in place.)
         let gather = t >= 16;
-        self.workers.for_each(&mut tasks, HeadScratch::default, |s: &mut HeadScratch, _, (idx, o)| {
-            let (tok, h) = (*idx / num_heads, *idx % num_heads);
-            let kvh = h / group;
-            let q = &q.data[tok * q.cols + h * d..][..d];
-            let visible = start_pos + tok + 1;
+        self.workers.for_each(&mut tasks, HeadScratch::default, |s: &mut HeadScratch, _, (h, first, outs)| {
+            let kvh = *h / group;
             let HeadScratch { scores, head, keys: head_keys, values: head_values } = s;
             let (keys, values, stride, offset) = if gather {
                 if *head != Some(kvh) {
@@ -634,13 +680,17 @@ impl Backend for CpuBackend {
             } else {
                 (&keys[..], &values[..], stride, kvh * d)
             };
-            let query = Query { q, offset, visible, scale };
+            let queries: Vec<Query> = (*first..*first + outs.len())
+                .map(|tok| Query { q: &q.data[tok * q.cols + *h * d..][..d], offset, visible: start_pos + tok + 1, scale })
+                .collect();
+            scores.resize_with(queries.len(), Vec::new);
+            let scores = &mut scores[..queries.len()];
             #[cfg(target_arch = "x86_64")]
             if attend_wide_available() {
                 // SAFETY: attend_wide_available checked the CPU's features.
-                return unsafe { attend_wide(&query, keys, values, stride, scores, o) };
+                return unsafe { attend_wide(&queries, keys, values, stride, scores, outs) };
             }
-            attend::<false>(&query, keys, values, stride, scores, o)
+            attend::<false>(&queries, keys, values, stride, scores, outs)
         });
         Ok(CpuTensor::new(t, num_heads * d, out))
     }
@@ -852,5 +902,84 @@ impl Backend for CpuBackend {
         }
         let data: Vec<f32> = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
         Ok(CpuTensor::new(data.len() / cols.max(1), cols, data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::Rng;
+
+    fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32).collect()
+    }
+
+    /// Rows `from..from + n` of a [_, cols] matrix.
+    fn rows(data: &[f32], from: usize, n: usize, cols: usize) -> CpuTensor {
+        CpuTensor::new(n, cols, data[from * cols..(from + n) * cols].to_vec())
+    }
+
+    /// 300 positions prefilled, then 21 tokens in one call (tiles of four and one, a head's copy
+    /// of the cache, spans past position 256), against the same 21 one at a time (read in place):
+    /// the same bits, and within f32 rounding of attention computed in f64.
+    #[test]
+    fn attention_gives_each_token_the_bits_it_has_alone() {
+        let mut rng = Rng::new(17);
+        let shape = AttentionShape { num_heads: 4, num_kv_heads: 2, head_dim: 72 };
+        let (d, width, q_cols) = (72, 2 * 72, 4 * 72);
+        let (prompt, extra) = (300, 21);
+        let (qs, ks, vs) = (random(&mut rng, (prompt + extra) * q_cols), random(&mut rng, (prompt + extra) * width), random(&mut rng, (prompt + extra) * width));
+        let b = CpuBackend::new(2).unwrap();
+        let prefilled = || {
+            let mut cache = b.new_kv_cache(width, 0).unwrap();
+            b.attention(&rows(&qs, 0, prompt, q_cols), &rows(&ks, 0, prompt, width), &rows(&vs, 0, prompt, width), &mut cache, 0, shape).unwrap();
+            cache
+        };
+        let mut cache = prefilled();
+        let together = b.attention(&rows(&qs, prompt, extra, q_cols), &rows(&ks, prompt, extra, width), &rows(&vs, prompt, extra, width), &mut cache, prompt, shape).unwrap();
+        let mut cache = prefilled();
+        for i in 0..extra {
+            let at = prompt + i;
+            let alone = b.attention(&rows(&qs, at, 1, q_cols), &rows(&ks, at, 1, width), &rows(&vs, at, 1, width), &mut cache, at, shape).unwrap();
+            let row = &together.data[i * q_cols..(i + 1) * q_cols];
+            assert!(row.iter().zip(&alone.data).all(|(a, b)| a.to_bits() == b.to_bits()), "token {i}");
+            for h in 0..4 {
+                let (q, kv) = (&qs[at * q_cols + h * d..][..d], (h / 2) * d);
+                let scores: Vec<f64> = (0..=at).map(|p| (0..d).map(|j| f64::from(q[j]) * f64::from(ks[p * width + kv + j])).sum::<f64>() / (d as f64).sqrt()).collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                for j in 0..d {
+                    let want: f64 = scores.iter().enumerate().map(|(p, s)| (s - max).exp() / sum * f64::from(vs[p * width + kv + j])).sum();
+                    assert!((f64::from(row[h * d + j]) - want).abs() < 1e-5, "token {i} head {h}: {} vs {want}", row[h * d + j]);
+                }
+            }
+        }
+    }
+
+    /// The AVX2 copy of `attend` gives the plain one's bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_attention_gives_the_plain_bits() {
+        if !attend_wide_available() {
+            return;
+        }
+        let mut rng = Rng::new(19);
+        let (d, positions) = (128, 301);
+        let (keys, values) = (random(&mut rng, positions * d), random(&mut rng, positions * d));
+        let qs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, d)).collect();
+        let queries: Vec<Query> = qs.iter().enumerate().map(|(i, q)| Query { q, offset: 0, visible: positions - 2 + i, scale: 0.09 }).collect();
+        let run = |wide: bool| {
+            let mut out = vec![f32::NAN; 3 * d];
+            let mut outs: Vec<&mut [f32]> = out.chunks_mut(d).collect();
+            let mut scores = vec![Vec::new(); 3];
+            if wide {
+                // SAFETY: AVX2, checked above.
+                unsafe { attend_wide(&queries, &keys, &values, d, &mut scores, &mut outs) };
+            } else {
+                attend::<false>(&queries, &keys, &values, d, &mut scores, &mut outs);
+            }
+            out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(true), run(false));
     }
 }
