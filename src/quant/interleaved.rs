@@ -187,8 +187,9 @@ impl std::fmt::Debug for InterleavedMatrix {
 }
 
 impl InterleavedMatrix {
-    /// `m`'s rows (or those of `rows`, in that order) repacked. The source's pages of a mapped file are released as they are copied (all
-    /// at the end for chosen rows), so that a matrix is never resident twice.
+    /// `m`'s rows (or those of `rows`, in that order) repacked. The source's pages of a mapped
+    /// file are released as each group is copied (in order), and all once more at the end (a
+    /// fault can map back a whole huge page), so that a matrix is never resident twice.
     pub fn pack(m: &GgmlMatrix, rows: Option<&[usize]>) -> Self {
         let format = m.format();
         let count = rows.map_or(m.rows(), <[usize]>::len);
