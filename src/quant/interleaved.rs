@@ -40,11 +40,9 @@ use super::{DType, GgmlFormat, GgmlMatrix, QuantMatrix};
 
 /// Rows a group interleaves: the lanes of a 256-bit register of 32-bit sums.
 pub const GROUP: usize = 8;
-/// Values a piece holds (one block of the 8-bit input).
-pub const PIECE: usize = 32;
+/// Values a piece holds: one block of the 8-bit input.
+pub const PIECE: usize = super::q8dot::Q8_BLOCK;
 
-/// The formats the layout takes: every GGUF block format Atlas reads.
-pub const FORMATS: [GgmlFormat; 14] = GgmlFormat::ALL;
 
 /// (header bytes of a group's block, bytes of each piece).
 #[inline(always)]
@@ -419,7 +417,7 @@ pub(crate) mod tests {
     #[test]
     fn packed_rows_dequantise_as_the_file_does() {
         let mut rng = Rng::new(3);
-        for format in FORMATS {
+        for format in GgmlFormat::ALL {
             let (rows, cols) = (11, 2 * format.block_size().max(64));
             let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();
             let order: Vec<usize> = (0..rows).rev().collect();

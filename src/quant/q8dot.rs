@@ -180,7 +180,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP, Q8_BLOCK};
-    use crate::quant::interleaved::{fifth_bits, group_block_bytes, levels, two_scales, FORMATS};
+    use crate::quant::interleaved::{fifth_bits, group_block_bytes, levels, two_scales};
 
 
     /// # Safety
@@ -256,7 +256,7 @@ mod x86 {
     unsafe fn by_format<const VNNI: bool>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the caller's target features, which grid's inlined body uses.
         unsafe {
-            match FORMATS.iter().position(|&f| f == m.format()) {
+            match GgmlFormat::ALL.iter().position(|&f| f == m.format()) {
                 Some(0) => grid::<0, VNNI>(m, groups, inputs, out),
                 Some(1) => grid::<1, VNNI>(m, groups, inputs, out),
                 Some(2) => grid::<2, VNNI>(m, groups, inputs, out),
@@ -285,7 +285,7 @@ mod x86 {
     unsafe fn grid<const F: usize, const VNNI: bool>(m: &InterleavedMatrix, groups: Range<usize>, inputs: &[Vec<Q8Block>], out: &mut [f32]) {
         // SAFETY: the caller's target features.
         unsafe {
-            if VNNI && matches!(FORMATS[F], GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K | GgmlFormat::IQ4_XS) {
+            if VNNI && matches!(GgmlFormat::ALL[F], GgmlFormat::Q4_K | GgmlFormat::Q5_K | GgmlFormat::Q6_K | GgmlFormat::IQ4_XS) {
                 bands::<F, VNNI, 8>(m, groups, inputs, out)
             } else {
                 bands::<F, VNNI, 4>(m, groups, inputs, out)
@@ -326,7 +326,7 @@ mod x86 {
     /// so it takes them signed again, by the sign trick, from zero.
     #[inline(always)]
     unsafe fn tile<const F: usize, const VNNI: bool, const T: usize>(group: &[u8], inputs: &[Vec<Q8Block>]) -> [__m256; T] {
-        let format = FORMATS[F];
+        let format = GgmlFormat::ALL[F];
         let (header_bytes, piece_bytes) = layout(format);
         let (per_block, bias, offsets_too) = (pieces_per_block(format), bias(format), has_offset(format));
         // Codes up to 255 would overflow AVX2's maddubs: it takes them signed (the sign trick).
@@ -509,7 +509,6 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::quant::interleaved::tests::random_blocks;
-    use crate::quant::interleaved::FORMATS;
     use crate::quant::{dot, GgmlMatrix, QuantMatrix};
     use crate::sampling::Rng;
     use half::f16;
@@ -594,7 +593,7 @@ mod tests {
     #[test]
     fn integer_dots_match_the_reference_and_each_other() {
         let mut rng = Rng::new(11);
-        for format in FORMATS {
+        for format in GgmlFormat::ALL {
             for blocks in [1, 3] {
                 let (rows, cols) = (11, blocks * format.block_size().max(64));
                 let m = GgmlMatrix::new(format, rows, cols, random_blocks(&mut rng, format, rows * cols / format.block_size())).unwrap();

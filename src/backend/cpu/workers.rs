@@ -53,7 +53,7 @@ struct Shared {
 /// hardware thread shares the vector units that these loops keep busy, so it adds contention,
 /// not speed (llama.cpp's default too). The cores are counted from Linux's CPU topology; elsewhere,
 /// or if it cannot be read, every CPU the OS offers.
-pub fn default_threads() -> usize {
+fn default_threads() -> usize {
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     physical_cores().map_or(available, |cores| cores.clamp(1, available))
 }
