@@ -356,11 +356,9 @@ fn weighted_values(offset: usize, values: &[f32], width: usize, weights: &[f32],
 /// Outputs of one head that `weighted_values` keeps in registers (eight AVX registers).
 const BLOCK: usize = 64;
 
+#[cfg(target_arch = "x86_64")]
 fn attend_wide_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx2");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    std::arch::is_x86_feature_detected!("avx2")
 }
 
 /// `attend` compiled for AVX2: its loops in 8-wide registers, the same operations in the same

@@ -251,7 +251,7 @@ fn nvrtc_compile(source: &str, arch: &str, options: &[String]) -> Result<Vec<u8>
     if compiled.is_err() {
         // SAFETY: as above.
         let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
-        let log: String = log.iter().map(|&c| c as u8 as char).collect();
+        let log: String = log.iter().map(|c| char::from(c.to_ne_bytes()[0])).collect();
         // SAFETY: `prog` is live and not used again.
         unsafe { nvrtc::destroy_program(prog) }.ok();
         return Err(Error::Device(format!("NVRTC could not compile the kernels for {arch}:\n{log}")));
