@@ -335,6 +335,10 @@ impl BlockSource for Backing {
             // sees a change. The advice only saves memory; its failure changes nothing.
             let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len()) };
         }
+        // Elsewhere (Windows) no advice: the map's pages are clean copies of the file, which the
+        // system trims from the working set by itself under memory pressure.
+        #[cfg(not(unix))]
+        let _ = range;
     }
 }
 
