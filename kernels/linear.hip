@@ -107,36 +107,6 @@ __device__ __forceinline__ const float* gemv_input(const float* x, const float* 
     return gemv_x;
 }
 
-// gemv_input's scales without the staging (the input is read in place and times norm_w where it
-// is used: the same values, the same bits). All tokens' sums in one pass and one reduction, each
-// summed in block_sum's order. Every thread of the block must call it.
-template <int TOKENS>
-__device__ __forceinline__ void gemv_scales(const float* x, const float* norm_w, float eps, int K, int tokens,
-                                            float (&scale)[TOKENS]) {
-    __shared__ float partial[TOKENS][32];  // [token][warp]
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    float ss[TOKENS];
-#pragma unroll
-    for (int n = 0; n < TOKENS; n++) {
-        scale[n] = 1.0f;
-        ss[n] = norm_w && n < tokens ? stage_input4(x + (long)n * K, nullptr, K, [](int, float4) {}) : 0.0f;
-    }
-    if (!norm_w) return;
-#pragma unroll
-    for (int n = 0; n < TOKENS; n++) {
-        const float v = warp_sum(ss[n]);
-        if (lane == 0) partial[n][warp] = v;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < TOKENS; n++) {
-        if (n >= tokens) break;
-        float total = 0.0f;
-        for (int w = 0; w < warps; w++) total += partial[n][w];
-        scale[n] = rsqrtf(total / K + eps);
-    }
-}
-
 // Loads in flight, STAGES deep: stage s of `st` holds step k (fetch(stage, k)) until
 // consume(stage, k) takes it, then fills again with the step STAGES strides ahead. Steps run
 // first, first + stride, ... < count in that order, so the arithmetic is the same for any
@@ -660,11 +630,12 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
 // meanwhile. Each input value goes through the mma as two bf16, x rounded (hi) and the rest rounded
 // (lo), in two chains of accumulators: products with 16 significant bits of x, each exact in f32.
 // A token's column of the mma is computed from its own inputs only, so one token and several get
-// the same bits (a sequence decoded beside others answers as it would alone). One token's input is
-// staged times norm_w in shared memory when norm_w is given (dynamic shared memory K * 4 bytes), as
-// gemv1_bf16 stages it; several tokens' are read in place, times norm_w as they are used
-// (gemv_scales: staging eight would fill the shared memory, halving the blocks an SM holds).
-// Launch: grid ceil(output rows / 16), block FP8_UNITS * 32. Needs K % 8 == 0.
+// the same bits (a sequence decoded beside others answers as it would alone). The input is read in
+// place, times norm_w as it is used, and the norm's sum of squares is taken from the same values on
+// the way (each lane its own, then the quad, then the units in order: one token's the same as
+// several's); no pass over the input before the products (eight tokens' took as long as a tenth of
+// the weights, in every block). Launch: grid ceil(output rows / 16), block FP8_UNITS * 32, no
+// dynamic shared memory. Needs K % 8 == 0.
 #define BF16_MMA_BLOCK 64
 
 #if BF16_ROWS_MMA
@@ -689,11 +660,13 @@ template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                          float eps, int K, int tokens, float (&out)[TILES]) {
     __shared__ float sums[FP8_UNITS][TILES][16][TOKENS];
+    __shared__ float squares[FP8_UNITS][TOKENS];  // each unit's part of each token's sum of squares
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
-    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block; with several tokens also this
-    // lane's input there (x[j][half]: its chunks' 8 values), loaded a step ahead as the weights
-    // are, once the previous kernel has written it (their L2 latency is otherwise every step's).
+    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block; with one tile also this lane's
+    // input there (x[j][half]: its chunks' 8 values), loaded a step ahead as the weights are, once
+    // the previous kernel has written it (their L2 latency is otherwise every step's; two tiles
+    // would spill the registers it takes).
     struct Stage {
         uint4 w[TILES][2][2];
         float4 x[2][2];
@@ -720,43 +693,43 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
     const float4* xt = nullptr;  // this lane's input row, once the previous kernel has written it
     auto fetch = [&](Stage& stage, int kb) {
         stage.fetch(tiles, kb, chunks, t);
-        if constexpr (TOKENS > 1 && TILES == 1) {
+        if constexpr (TILES == 1) {
             if (xt) stage.fetch_x(xt, kb, chunks, t);
         }
     };
     pdl_launch_dependents();
     pipeline_fill(st, unit, FP8_UNITS, fetch);
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    // One token stages its normalised input (a little faster); several read theirs in place and
-    // take norm_w as they use it (their staging would fill the shared memory): the same values.
-    float scale[TOKENS];
-    const float* xs = x;
-    if (TOKENS == 1) xs = gemv_input<TOKENS>(x, norm_w, eps, K, tokens, scale);
-    else gemv_scales<TOKENS>(x, norm_w, eps, K, tokens, scale);
-    const float4* wt = TOKENS == 1 ? nullptr : (const float4*)norm_w;
     // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
-    xt = (const float4*)(xs + (long)(g < tokens ? g : 0) * K);
-    if constexpr (TOKENS > 1 && TILES == 1) {
+    xt = (const float4*)(x + (long)(g < tokens ? g : 0) * K);
+    if constexpr (TILES == 1) {
 #pragma unroll
         for (int s = 0; s < 2; s++) st[s].fetch_x(xt, unit + s * FP8_UNITS, chunks, t);
     }
+    const float4* wt = (const float4*)norm_w;
     float acc[TILES][2][4] = {};  // [tile][hi, lo chain][mma accumulator]
+    float ss = 0.0f;              // token g's squares over this lane's values, in the order it meets them
     auto consume = [&](const Stage& st, int kb) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int c = kb * 8 + j * 4 + t;
             float4 a, b;
-            if constexpr (TOKENS > 1 && TILES == 1) {
+            if constexpr (TILES == 1) {
                 a = st.x[j][0];
                 b = st.x[j][1];
             } else {
                 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
                 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
             }
-            if (wt && c < chunks) {
-                const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
-                a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
-                b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+            if (wt) {
+                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
+                if (c < chunks) {
+                    const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
+                    a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
+                    b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+                }
             }
             const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             unsigned int hi[4], lo[4];
@@ -783,10 +756,16 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
                 sums[unit][i][g + 8][n] = acc[i][0][2 + col] + acc[i][1][2 + col];
             }
         }
+    // Token g's squares: the quad's four lanes (a sum the same in each), then the units in order.
+    ss += shfl_xor(ss, 1);
+    ss += shfl_xor(ss, 2);
+    if (t == 0 && g < tokens && g < TOKENS) squares[unit][g] = ss;
     __syncthreads();
     const int r = threadIdx.x % 16, n = threadIdx.x / 16;
-    if (n >= tokens) return;
-    const float s = fp8_token_scale<TOKENS>(scale, n);
+    if (n >= tokens || n >= TOKENS) return;
+    float total = 0.0f;
+    for (int u = 0; u < FP8_UNITS; u++) total += squares[u][n];
+    const float s = norm_w ? rsqrtf(total / K + eps) : 1.0f;
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
         float total = 0.0f;

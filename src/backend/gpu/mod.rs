@@ -150,8 +150,8 @@ impl GpuWeight {
     /// The one-token kernels' launch for `rows` output rows and `tokens` rows of input over this
     /// weight format: grid, block and dynamic shared memory. bf16 stages the normalised input as
     /// f32 (kernels/linear.hip's gemv_input), in warps of GEMV_ROWS (GEMV_TOKENS_ROWS for the
-    /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8 (the
-    /// several-token kernel reads it in place); fp8 always
+    /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8, reading it in
+    /// place; fp8 always
     /// stages it as f16 in whole 128-column blocks (fp8_rows_dot), packed formats in whole
     /// 256-column steps (pk_rows_dot). `tiles`: 16-row tiles a block takes (gemv1 1, gate/up 2):
     /// the FP8 one-tile kernel has weight slots where async copies exist, so it is the largest
@@ -160,11 +160,10 @@ impl GpuWeight {
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         match self.format {
             WeightFormat::Bf16 => {
-                let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
                 if dev.bf16_mma {
-                    let shared = if several { 0 } else { shared };
-                    return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared);
+                    return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], 0);
                 }
+                let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
                 let per_warp = if several { GEMV_TOKENS_ROWS } else { GEMV_ROWS };
                 ([blocks(rows, per_warp * GEMV_THREADS / dev.warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
