@@ -352,23 +352,41 @@ struct Fp8Rows {
 // of the block must call it (it synchronises). K % 4 == 0.
 __device__ __forceinline__ int fp8_padded(int K, int pad) { return (K + pad - 1) / pad * pad; }
 
+// Two inputs as the FP8 kernels take them: an f16 pair of x * 2^-FP8_X_SHIFT, saturated rather
+// than overflowing to infinity (a NaN stays a NaN).
+__device__ __forceinline__ unsigned int fp8_x_pair(float a, float b) {
+    auto f16_range = [](float v) {
+        const float shifted = v * (1.0f / (1 << FP8_X_SHIFT));
+        return fabsf(shifted) > 65504.0f ? copysignf(65504.0f, shifted) : shifted;
+    };
+    return f16x2_pack(f16_range(a), f16_range(b));
+}
+
+// The 16 inputs of chunk c (columns 16c..16c + 16) of token row x as fp8_gemv_input stages them
+// (zeros past K), read in place: the same bits.
+__device__ __forceinline__ void fp8_x_chunk(const float* x, int c, int K, uint4& lo, uint4& hi) {
+    if (c * 16 >= K) {
+        lo = hi = make_uint4(0u, 0u, 0u, 0u);
+        return;
+    }
+    const float4* p = (const float4*)(x + c * 16);
+    const float4 a = p[0], b = p[1], d = p[2], e = p[3];
+    lo = make_uint4(fp8_x_pair(a.x, a.y), fp8_x_pair(a.z, a.w), fp8_x_pair(b.x, b.y), fp8_x_pair(b.z, b.w));
+    hi = make_uint4(fp8_x_pair(d.x, d.y), fp8_x_pair(d.z, d.w), fp8_x_pair(e.x, e.y), fp8_x_pair(e.z, e.w));
+}
+
 template <int TOKENS>
 __device__ __forceinline__ const uint4* fp8_gemv_input(const float* x, const float* norm_w, float eps, int K, int pad,
                                                        int tokens, float (&scale)[TOKENS]) {
     extern __shared__ __attribute__((aligned(16))) uint2 fp8_x[];
     __shared__ float scratch[32];
-    // Saturate rather than overflow to infinity (a NaN stays a NaN).
-    auto f16_range = [](float v) {
-        const float shifted = v * (1.0f / (1 << FP8_X_SHIFT));
-        return fabsf(shifted) > 65504.0f ? copysignf(65504.0f, shifted) : shifted;
-    };
     const int padded = fp8_padded(K, pad);
 #pragma unroll
     for (int n = 0; n < TOKENS; n++) {
         if (n >= tokens) break;
         uint2* xn = fp8_x + n * (padded / 4);
         const float ss = stage_input4(x + (long)n * K, norm_w, K, [&](int i, float4 v) {
-            xn[i] = make_uint2(f16x2_pack(f16_range(v.x), f16_range(v.y)), f16x2_pack(f16_range(v.z), f16_range(v.w)));
+            xn[i] = make_uint2(fp8_x_pair(v.x, v.y), fp8_x_pair(v.z, v.w));
         });
         for (int i = K / 4 + threadIdx.x; i < padded / 4; i += blockDim.x) xn[i] = make_uint2(0, 0);
         scale[n] = 1 << FP8_X_SHIFT;
@@ -507,16 +525,37 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
         pipeline_fill(st, unit, FP8_UNITS, fetch);
     }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
+    // Several tokens without a norm read their inputs in place (the same values as staged): eight
+    // staged rows of a long input would fill the shared memory, and their staging would read as
+    // many bytes as a block's weights before the first product. With a norm they are staged, so
+    // that its sums are those of one token alone; so are gate/up's (always normed: the branch
+    // would cost their two tiles registers).
+    const bool in_place = TOKENS > 1 && TILES == 1 && !norm_w;
     float scale[TOKENS];
-    const uint4* xs = fp8_gemv_input<TOKENS>(x, norm_w, eps, K, FP8_BLOCK, tokens, scale);
+    const uint4* xs = nullptr;
+    if (in_place) {
+#pragma unroll
+        for (int n = 0; n < TOKENS; n++) scale[n] = 1 << FP8_X_SHIFT;
+    } else {
+        xs = fp8_gemv_input<TOKENS>(x, norm_w, eps, K, FP8_BLOCK, tokens, scale);
+    }
     const int stride = fp8_padded(K, FP8_BLOCK) / 8;  // uint4 per token
+    // Chunk c of token n's inputs, staged or in place.
+    auto input = [&](int n, int c, uint4& lo, uint4& hi) {
+        if (in_place) {
+            fp8_x_chunk(x + (long)n * K, c, K, lo, hi);
+        } else {
+            lo = xs[n * stride + 2 * c];
+            hi = xs[n * stride + 2 * c + 1];
+        }
+    };
 
 #if FP8_ROWS_MMA
     // [tile][row g, g + 8][column 2t, 2t + 1 (only the first for one token: every column is it)];
     // this lane's B column holds token g (token 0 when there are fewer: its column is not read).
     constexpr int COLS = TOKENS > 1 ? 2 : 1;
     float acc[TILES][2][COLS] = {};
-    const uint4* xt = xs + (g < tokens ? g : 0) * stride;
+    const int token = g < tokens ? g : 0;
     auto consume = [&](const Fp8Stage<TILES>& st, int kb) {
         // A sum per chunk: two shorter chains of dependent products.
         float c[TILES][2][4] = {};
@@ -524,7 +563,8 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
         for (int j = 0; j < 2; j++) {
             // The chunk's 16 inputs: 8 f16 pairs.
             const int chunk = kb * 8 + j * 4 + t;
-            const uint4 lo = xt[2 * chunk], hi = xt[2 * chunk + 1];
+            uint4 lo, hi;
+            input(token, chunk, lo, hi);
             const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
             for (int i = 0; i < TILES; i++) {
@@ -553,7 +593,8 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int chunk = kb * 8 + j * 4 + t;
-                const uint4 lo = xs[n * stride + 2 * chunk], hi = xs[n * stride + 2 * chunk + 1];
+                uint4 lo, hi;
+                input(n, chunk, lo, hi);
                 const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
                 for (int i = 0; i < TILES; i++) {

@@ -168,7 +168,9 @@ impl GpuWeight {
                 ([blocks(rows, per_warp * GEMV_THREADS / dev.warp_size), 1, 1], [GEMV_THREADS, 1, 1], shared)
             }
             WeightFormat::Fp8 { .. } => {
-                let input = tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2;
+                // Several tokens of one tile without a norm are read in place (fp8_rows_dot).
+                let staged = !(several && tiles == 1 && !normed);
+                let input = if staged { tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 } else { 0 };
                 let slots = if dev.async_copy && !several && tiles == 1 { fp8_slots(self.cols, rows, dev) * FP8_SLOT_TILE_BYTES } else { 0 };
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
