@@ -212,6 +212,63 @@ macro_rules! for_each_format {
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const _: () = assert!(GgmlFormat::ALL.len() == 14, "for_each_format names each format's index");
 
+/// Eight rows' floats in a SIMD kernel's registers (one or two), with the loads and steps the
+/// block headers need: each the same values as the scalar kernel's.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+trait Lanes: Copy {
+    /// Eight f16 (a row each), widened exactly.
+    unsafe fn halves(bytes: &[u8]) -> Self;
+    /// Eight E8M0 bytes (a row each) as `e8m0_half` gives them.
+    unsafe fn powers_of_two(bytes: &[u8]) -> Self;
+    /// Eight bytes (a row each) as floats, unsigned or signed.
+    unsafe fn bytes(bytes: &[u8], signed: bool) -> Self;
+    unsafe fn mul(self, other: Self) -> Self;
+    unsafe fn neg(self) -> Self;
+}
+
+/// A group block's d and its second field (Q4_1's m, the k-quants' dmin, ROCmFP4's second
+/// scale; d again where there is none), eight rows at once.
+///
+/// # Safety
+/// The CPU features of `V`'s kernel.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn block_fields<V: Lanes>(format: GgmlFormat, header: &[u8]) -> (V, V) {
+    // SAFETY: the caller's features; each load checks its slice.
+    unsafe {
+        let d = if format == GgmlFormat::MXFP4 { V::powers_of_two(&header[..8]) } else { V::halves(&header[..16]) };
+        let second = if has_offset(format) || format == GgmlFormat::ROCMFP4 { V::halves(&header[16..32]) } else { d };
+        (d, second)
+    }
+}
+
+/// `piece_scales` for the eight rows of a group at once, given `block_fields`: the scales of
+/// piece `k`'s two halves and its offset (where the format has them; else one of the fields).
+///
+/// # Safety
+/// The CPU features of `V`'s kernel.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn lane_scales<V: Lanes>(format: GgmlFormat, header: &[u8], k: usize, (d, second): (V, V)) -> (V, V, V) {
+    // SAFETY: the caller's features; each load checks its slice.
+    unsafe {
+        match format {
+            GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
+                let scale = d.mul(V::bytes(&header[32 + 8 * k..], false));
+                (scale, scale, second.mul(V::bytes(&header[96 + 8 * k..], false)).neg())
+            }
+            GgmlFormat::Q6_K => (d.mul(V::bytes(&header[16 + 16 * k..], true)), d.mul(V::bytes(&header[24 + 16 * k..], true)), d),
+            GgmlFormat::IQ4_XS => {
+                let scale = d.mul(V::bytes(&header[16 + 8 * k..], true));
+                (scale, scale, d)
+            }
+            GgmlFormat::NVFP4 => (V::halves(&header[32 * k..]), V::halves(&header[32 * k + 16..]), d),
+            GgmlFormat::ROCMFP4 => (d, second, d),
+            _ => (d, d, second),
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "aarch64")]

@@ -13,7 +13,7 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP};
+use super::{bias, block_fields, has_offset, lane_scales, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Lanes, Q8Block, Range, GROUP};
 use crate::quant::interleaved::{fifth_bits, group_block_bytes, levels, two_scales};
 
 /// Eight rows' floats: rows 0..4, rows 4..8.
@@ -85,24 +85,9 @@ unsafe fn tile<const F: usize, const T: usize>(group: &[u8], inputs: &[Vec<Q8Blo
         // SAFETY: Advanced SIMD and the dot products, as the caller; the header holds each
         // field read.
         unsafe {
-            let d = if format == GgmlFormat::MXFP4 { powers_of_two(&header[..8]) } else { halves(&header[..16]) };
-            let second = if offsets_too || format == GgmlFormat::ROCMFP4 { halves(&header[16..32]) } else { d };
+            let fields = block_fields::<Rows>(format, header);
             for k in 0..per_block {
-                let (first_scale, second_scale, offset) = match format {
-                    GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
-                        let scale = mul(d, bytes(&header[32 + 8 * k..], false));
-                        let minimum = mul(second, bytes(&header[96 + 8 * k..], false));
-                        (scale, scale, minimum.map(|m| vnegq_f32(m)))
-                    }
-                    GgmlFormat::Q6_K => (mul(d, bytes(&header[16 + 16 * k..], true)), mul(d, bytes(&header[24 + 16 * k..], true)), d),
-                    GgmlFormat::IQ4_XS => {
-                        let scale = mul(d, bytes(&header[16 + 8 * k..], true));
-                        (scale, scale, d)
-                    }
-                    GgmlFormat::NVFP4 => (halves(&header[32 * k..]), halves(&header[32 * k + 16..]), d),
-                    GgmlFormat::ROCMFP4 => (d, second, d),
-                    _ => (d, d, second),
-                };
+                let (first_scale, second_scale, offset) = lane_scales(format, header, k, fields);
                 let codes = codes(format, &pieces[k * piece_bytes..][..piece_bytes]);
                 for i in 0..T {
                     let x = &inputs[i][b * per_block + k];
@@ -140,12 +125,6 @@ unsafe fn tile<const F: usize, const T: usize>(group: &[u8], inputs: &[Vec<Q8Blo
 fn add_product(acc: Rows, scale: Rows, sums: Sums) -> Rows {
     // SAFETY: Advanced SIMD, part of every arm64 CPU.
     unsafe { [0, 1].map(|p| vaddq_f32(acc[p], vmulq_f32(scale[p], vcvtq_f32_s32(sums[p])))) }
-}
-
-#[inline(always)]
-fn mul(a: Rows, b: Rows) -> Rows {
-    // SAFETY: Advanced SIMD, part of every arm64 CPU.
-    unsafe { [vmulq_f32(a[0], b[0]), vmulq_f32(a[1], b[1])] }
 }
 
 #[inline(always)]
@@ -215,6 +194,32 @@ unsafe fn codes(format: GgmlFormat, piece: &[u8]) -> Codes {
         }
     }
     codes
+}
+
+impl Lanes for Rows {
+    #[inline(always)]
+    unsafe fn halves(bytes: &[u8]) -> Self {
+        // SAFETY: Advanced SIMD, part of every arm64 CPU.
+        unsafe { halves(bytes) }
+    }
+    #[inline(always)]
+    unsafe fn powers_of_two(bytes: &[u8]) -> Self {
+        // SAFETY: as above.
+        unsafe { powers_of_two(bytes) }
+    }
+    #[inline(always)]
+    unsafe fn bytes(bytes: &[u8], signed: bool) -> Self {
+        // SAFETY: as above.
+        unsafe { self::bytes(bytes, signed) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, other: Self) -> Self {
+        [vmulq_f32(self[0], other[0]), vmulq_f32(self[1], other[1])]
+    }
+    #[inline(always)]
+    unsafe fn neg(self) -> Self {
+        [vnegq_f32(self[0]), vnegq_f32(self[1])]
+    }
 }
 
 /// Eight f16 (a row each), widened exactly by `fcvtl`.

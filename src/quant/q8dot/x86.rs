@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{bias, has_offset, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Q8Block, Range, GROUP, Q8_BLOCK};
+use super::{bias, block_fields, has_offset, lane_scales, layout, pieces_per_block, GgmlFormat, InterleavedMatrix, Lanes, Q8Block, Range, GROUP, Q8_BLOCK};
 use crate::quant::interleaved::{fifth_bits, group_block_bytes, levels, two_scales};
 
 /// # Safety
@@ -143,24 +143,9 @@ unsafe fn tile<const F: usize, const VNNI: bool, const T: usize>(group: &[u8], i
         let (header, pieces) = block.split_at(header_bytes);
         // SAFETY: F16C and AVX2, as the caller; the header holds each field read.
         unsafe {
-            let d = if format == GgmlFormat::MXFP4 { powers_of_two(&header[..8]) } else { halves(&header[..16]) };
-            let second = if offsets_too || format == GgmlFormat::ROCMFP4 { halves(&header[16..32]) } else { d };
+            let fields = block_fields::<__m256>(format, header);
             for k in 0..per_block {
-                let (first_scale, second_scale, offset) = match format {
-                    GgmlFormat::Q4_K | GgmlFormat::Q5_K => {
-                        let scale = _mm256_mul_ps(d, bytes(&header[32 + 8 * k..], false));
-                        let minimum = _mm256_mul_ps(second, bytes(&header[96 + 8 * k..], false));
-                        (scale, scale, _mm256_xor_ps(minimum, _mm256_set1_ps(-0.0)))
-                    }
-                    GgmlFormat::Q6_K => (_mm256_mul_ps(d, bytes(&header[16 + 16 * k..], true)), _mm256_mul_ps(d, bytes(&header[24 + 16 * k..], true)), d),
-                    GgmlFormat::IQ4_XS => {
-                        let scale = _mm256_mul_ps(d, bytes(&header[16 + 8 * k..], true));
-                        (scale, scale, d)
-                    }
-                    GgmlFormat::NVFP4 => (halves(&header[32 * k..]), halves(&header[32 * k + 16..]), d),
-                    GgmlFormat::ROCMFP4 => (d, second, d),
-                    _ => (d, d, second),
-                };
+                let (first_scale, second_scale, offset) = lane_scales(format, header, k, fields);
                 let (low, high) = codes(format, &pieces[k * piece_bytes..][..piece_bytes]);
                 for i in 0..T {
                     let x = &inputs[i][b * per_block + k];
@@ -267,6 +252,34 @@ unsafe fn codes(format: GgmlFormat, piece: &[u8]) -> ([__m256i; 4], [__m256i; 4]
         }
     }
     (low, high)
+}
+
+impl Lanes for __m256 {
+    #[inline(always)]
+    unsafe fn halves(bytes: &[u8]) -> Self {
+        // SAFETY: the caller's features (AVX2 and F16C, every x86 kernel's).
+        unsafe { halves(bytes) }
+    }
+    #[inline(always)]
+    unsafe fn powers_of_two(bytes: &[u8]) -> Self {
+        // SAFETY: as above.
+        unsafe { powers_of_two(bytes) }
+    }
+    #[inline(always)]
+    unsafe fn bytes(bytes: &[u8], signed: bool) -> Self {
+        // SAFETY: as above.
+        unsafe { self::bytes(bytes, signed) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, other: Self) -> Self {
+        // SAFETY: as above.
+        unsafe { _mm256_mul_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn neg(self) -> Self {
+        // SAFETY: as above.
+        unsafe { _mm256_xor_ps(self, _mm256_set1_ps(-0.0)) }
+    }
 }
 
 /// Eight f16 (a row each), widened exactly by the F16C instruction.
