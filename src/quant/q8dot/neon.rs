@@ -75,7 +75,7 @@ unsafe fn tile<const F: usize, const T: usize>(group: &[u8], inputs: &[Vec<Q8Blo
     let format = GgmlFormat::ALL[F];
     let (header_bytes, piece_bytes) = layout(format);
     let (per_block, offsets_too) = (pieces_per_block(format), has_offset(format));
-    // What the codes `codes` gives exceed the signed ones by.
+    // What the codes from `codes` exceed the signed ones by (Q8_0 and the codebooks: nothing).
     let bias = if format == GgmlFormat::Q8_0 || levels(format).is_some() { 0 } else { bias(format) };
     let zero = [vdupq_n_f32(0.0); 2];
     let mut acc = [zero; T];
