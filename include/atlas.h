@@ -69,6 +69,9 @@ enum AtlasStatus
   ATLAS_STATUS_CANCELLED = 7,
   // A bug in Atlas (a caught panic); the model stays usable.
   ATLAS_STATUS_INTERNAL = 8,
+  // The KV cache that all sequences share has no room for the request now (others hold
+  // it): try again later, or load with a larger kv_cache_bytes.
+  ATLAS_STATUS_CACHE_FULL = 9,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -96,7 +99,7 @@ uint32_t atlas_abi_version(void);
 const char *atlas_version(void);
 
 // Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
-// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
+// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N, "kv_cache_bytes": N,
 // "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N, "cpu_kernels": K};
 // unknown keys are an error. `draft_p_min`: the least probability of a token the model's own
 // drafting head guesses (default 0.75); `parallel`: requests decoded at once (0 or absent: as
@@ -109,7 +112,9 @@ const char *atlas_version(void);
 //
 // # Safety
 // Pointers are NULL or valid; `options_json` is NUL-terminated.
-int32_t atlas_load(const char *options_json, struct AtlasModel **out_model, char **out_error);
+int32_t atlas_load(const char *options_json,
+                   struct AtlasModel **out_model,
+                   char **out_error);
 
 // Releases a model. Waits for every call on it that has already begun (running or queued
 // requests, model_info); calls that begin after it fail with ATLAS_STATUS_INVALID_ARGUMENT.

@@ -1,7 +1,7 @@
 // Decode attention over the bf16 KV cache (prefill attention is in flash_attention.hip).
 //
-// kv_append: writes k, v ([T, kv_width] f32) into the caches ([capacity, kv_width] bf16) at rows
-// start_pos..start_pos+T. Launch: grid (ceil(kv_width/256), T), block 256. (Model layers append
+// kv_append: writes k, v ([T, kv_width] f32) into a sequence's cache (the pool's keys and values,
+// its block table: common/kv_rows.h) at positions start_pos..start_pos+T. Launch: grid (ceil(kv_width/256), T), block 256. (Model layers append
 // inside qkv_rope_append, norm.hip; this is the plain form.)
 //
 // `pos_dev`, when not null, holds the position(s) on the device (recorded decode steps read them
@@ -10,12 +10,12 @@
 #include "common/mma.h"
 #include "common/kv_rows.h"
 
-ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, int start_pos, const int* pos_dev,
-                            int width) {
+ATLAS_KERNEL void kv_append(const float* k, const float* v, bf16* kc, bf16* vc, const int* table, int start_pos,
+                            const int* pos_dev, int width) {
     if (pos_dev) start_pos = *pos_dev;
     const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (c >= width) return;
-    const long dst = (long)(start_pos + t) * width + c;
+    const long dst = kv_offset(table, start_pos + t, width) + c;
     kc[dst] = f32_to_bf16(k[(long)t * width + c]);
     vc[dst] = f32_to_bf16(v[(long)t * width + c]);
 }
@@ -63,6 +63,7 @@ ATLAS_KERNEL void attention_decode(const float* q, KvRows caches, const int* pos
     const int pos = kv_row_pos(caches, pos_dev, row), seq = kv_row_seq(caches, row);
     const bf16* kc = caches.keys[seq];
     const bf16* vc = caches.values[seq];
+    const int* table = caches.tables[seq];
     q += (long)row * heads * D;
     out += (long)row * heads * D;
     partial += (long)row * heads * splits * (D + 2);
@@ -103,7 +104,7 @@ ATLAS_KERNEL void attention_decode(const float* q, KvRows caches, const int* pos
         for (int i = 0; i < DEC_LOADS; i++) {
             const int e = tid + i * DEC_THREADS, p = p0 + e / row_chunks, c = e % row_chunks;
             const bool ok = e < tile_chunks && p < end;
-            const long at = (long)p * width + kvh * D;
+            const long at = ok ? kv_offset(table, p, width) + kvh * D : 0;
             kr[i] = ok ? load8_bf16(kc + at, c * 8, D, D % 8 == 0) : make_uint4(0, 0, 0, 0);
             vr[i] = ok ? load8_bf16(vc + at, c * 8, D, D % 8 == 0) : make_uint4(0, 0, 0, 0);
         }

@@ -1,11 +1,12 @@
 // Prefill attention on the matrix cores (FlashAttention-2 scheme): causal, grouped-query, over the
 // bf16 KV cache.
 //
-//   flash_attention(q, kc, vc, out, start_pos, pos_dev, T, heads, kv_heads, head_dim, scale)
+//   flash_attention(q, kc, vc, table, out, start_pos, pos_dev, T, heads, kv_heads, head_dim, scale)
 //   q   [T, heads*head_dim] f32 (rotary already applied); row t is the query at position start_pos + t
 //       (start_pos read from *pos_dev when pos_dev is not null: a recorded decode step's one row,
 //       for group sizes attention_decode does not take)
-//   kc, vc [capacity, kv_heads*head_dim] bf16, holding positions 0 .. start_pos+T-1
+//   kc, vc, table: the KV pool and the sequence's block table (common/kv_rows.h), holding
+//       positions 0 .. start_pos+T-1
 //   out [T, heads*head_dim] f32, overwritten:
 //       out[t, h*head_dim + d] = sum_{p <= start_pos+t} softmax_p(scale * q_t·k_p) v_p[d]
 //   query head h reads kv head h / (heads / kv_heads); any head_dim up to 256.
@@ -36,6 +37,7 @@
 // common/mma.h works (and WARP_SIZE 64: a warp then takes twice the tiles).
 #include "common/portable.h"
 #include "common/mma.h"
+#include "common/kv_rows.h"
 
 #define FA_BQ 64
 #define FA_THREADS 128
@@ -102,23 +104,25 @@ static_assert(FA_BQ % 32 == 0, "the head_dim 256 path runs FA_BQ / 32 passes of 
 // thread are consecutive: kb + (threadIdx.x / (HDP/8)) * V_POS + i, dims (threadIdx.x % (HDP/8))*8.
 // Positions at or past kv_end and dims past head_dim read as zero.
 template <typename C, int HDP>
-__device__ __forceinline__ void fa_load_k(uint4* r, const bf16* base, int width, int kb, int kv_end, int head_dim) {
+__device__ __forceinline__ void fa_load_k(uint4* r, const bf16* base, const int* table, int width, int kb, int kv_end,
+                                          int head_dim) {
 #pragma unroll
     for (int i = 0; i < C::K_VECS; i++) {
         const int e = threadIdx.x + i * FA_THREADS, p = e / (HDP / 8), dc = e % (HDP / 8);
         const int pos = kb + p;
-        r[i] = pos < kv_end ? load8_bf16(base + (long)pos * width, dc * 8, head_dim, head_dim % 8 == 0)
+        r[i] = pos < kv_end ? load8_bf16(base + kv_offset(table, pos, width), dc * 8, head_dim, head_dim % 8 == 0)
                             : make_uint4(0, 0, 0, 0);
     }
 }
 
 template <typename C, int HDP>
-__device__ __forceinline__ void fa_load_v(uint4* r, const bf16* base, int width, int kb, int kv_end, int head_dim) {
+__device__ __forceinline__ void fa_load_v(uint4* r, const bf16* base, const int* table, int width, int kb, int kv_end,
+                                          int head_dim) {
     const int dc = threadIdx.x % (HDP / 8), p0 = (threadIdx.x / (HDP / 8)) * C::V_POS;
 #pragma unroll
     for (int i = 0; i < C::V_POS; i++) {
         const int pos = kb + p0 + i;
-        r[i] = pos < kv_end ? load8_bf16(base + (long)pos * width, dc * 8, head_dim, head_dim % 8 == 0)
+        r[i] = pos < kv_end ? load8_bf16(base + kv_offset(table, pos, width), dc * 8, head_dim, head_dim % 8 == 0)
                             : make_uint4(0, 0, 0, 0);
     }
 }
@@ -150,7 +154,7 @@ __device__ __forceinline__ void fa_store_vt(bf16* sVt, const uint4* r) {
 
 // One pass: query rows q0 .. q0+BQS-1 of head h.
 template <int HDP, int BQS, int BK, bool ALIAS>
-__device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, const bf16* kc, const bf16* vc,
+__device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, const bf16* kc, const bf16* vc, const int* table,
                                         float* out, int start_pos, int T, int heads, int kv_heads, int head_dim,
                                         float scale, int q0, int h) {
     typedef fa_cfg<HDP, BQS, BK, ALIAS> C;
@@ -205,7 +209,7 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
     // K and V travel through registers: V_j is loaded while Q·K_j runs, K_{j+1} while P·V_j runs,
     // so at most one of the two sets is in flight at a time.
     uint4 kr[C::K_VECS], vr[C::V_POS];
-    fa_load_k<C, HDP>(kr, kbase, width, 0, kv_end, head_dim);
+    fa_load_k<C, HDP>(kr, kbase, table, width, 0, kv_end, head_dim);
 
     for (int tile = 0; tile < ntiles; tile++) {
         const int kb = tile * BK;
@@ -215,7 +219,7 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
             const int e = tid + i * FA_THREADS, p = e / (HDP / 8), dc = e % (HDP / 8);
             *(uint4*)(sK + p * C::LDK + dc * 8) = kr[i];
         }
-        fa_load_v<C, HDP>(vr, vbase, width, kb, kv_end, head_dim);
+        fa_load_v<C, HDP>(vr, vbase, table, width, kb, kv_end, head_dim);
         __syncthreads();
 
         // 2. S = scale * Q·Kᵀ -> sS (the mask is applied as the softmax reads it).
@@ -246,7 +250,7 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
 
         // 3. V tile -> shared (transposed); online softmax over the tile's S rows.
         fa_store_vt<C, HDP>(sVt, vr);
-        if (tile + 1 < ntiles) fa_load_k<C, HDP>(kr, kbase, width, kb + BK, kv_end, head_dim);
+        if (tile + 1 < ntiles) fa_load_k<C, HDP>(kr, kbase, table, width, kb + BK, kv_end, head_dim);
         {
             const int r = tid / C::TPR, sub = tid % C::TPR;
             const float m_old = sM[r];
@@ -316,7 +320,8 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
     }
 }
 
-ATLAS_KERNEL void FA_LAUNCH_BOUNDS flash_attention(const float* q, const bf16* kc, const bf16* vc, float* out,
+ATLAS_KERNEL void FA_LAUNCH_BOUNDS flash_attention(const float* q, const bf16* kc, const bf16* vc, const int* table,
+                                                   float* out,
                                                    int start_pos, const int* pos_dev, int T, int heads,
                                                    int kv_heads, int head_dim, float scale) {
     __shared__ uint4 fa_smem[(FA_SMEM_BYTES + 15) / 16];
@@ -330,13 +335,13 @@ ATLAS_KERNEL void FA_LAUNCH_BOUNDS flash_attention(const float* q, const bf16* k
     const int q0 = qb * FA_BQ;
     if (q0 >= T) return;
     if (head_dim <= 64) {
-        fa_pass<64, FA_BQ, 64, false>(smem, q, kc, vc, out, start_pos, T, heads, kv_heads, head_dim, scale, q0, h);
+        fa_pass<64, FA_BQ, 64, false>(smem, q, kc, vc, table, out, start_pos, T, heads, kv_heads, head_dim, scale, q0, h);
     } else if (head_dim <= 128) {
-        fa_pass<128, FA_BQ, 32, false>(smem, q, kc, vc, out, start_pos, T, heads, kv_heads, head_dim, scale, q0, h);
+        fa_pass<128, FA_BQ, 32, false>(smem, q, kc, vc, table, out, start_pos, T, heads, kv_heads, head_dim, scale, q0, h);
     } else {
         for (int sub = 0; sub < FA_BQ; sub += 32)
             if (q0 + sub < T)
-                fa_pass<256, 32, 32, true>(smem, q, kc, vc, out, start_pos, T, heads, kv_heads, head_dim, scale,
+                fa_pass<256, 32, 32, true>(smem, q, kc, vc, table, out, start_pos, T, heads, kv_heads, head_dim, scale,
                                            q0 + sub, h);
     }
 }

@@ -134,7 +134,7 @@ ATLAS_KERNEL void qkv_rope_append(float* q, const float* k, const float* v, cons
     const bool is_key = h < kv_heads;
     if (!is_key) h -= kv_heads;
     const float* x = (is_key ? k : v) + (long)t * width + h * head_dim;
-    bf16* dst = (is_key ? caches.keys[seq] : caches.values[seq]) + (long)pos * width + h * head_dim;
+    bf16* dst = (is_key ? caches.keys[seq] : caches.values[seq]) + kv_offset(caches.tables[seq], pos, width) + h * head_dim;
     float a = i < half ? x[i] : 0.0f, b = i < half ? x[i + half] : 0.0f;
     if (is_key) norm_rotate(a, b, k_norm, eps, inv_freq, pos, head_dim, rot_half, scratch, qkv_rope_head);
     if (i < half) {

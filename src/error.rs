@@ -28,6 +28,10 @@ pub enum Error {
     #[error("context overflow: {0}")]
     ContextOverflow(String),
 
+    /// The KV pool shared by all sequences has no room left for a request (others hold it).
+    #[error("KV cache full: {0}")]
+    CacheFull(String),
+
     #[error("chat template: {0}")]
     Template(String),
 

@@ -40,6 +40,9 @@ pub enum AtlasStatus {
     Cancelled = 7,
     /// A bug in Atlas (a caught panic); the model stays usable.
     Internal = 8,
+    /// The KV cache that all sequences share has no room for the request now (others hold
+    /// it): try again later, or load with a larger kv_cache_bytes.
+    CacheFull = 9,
 }
 
 /// A loaded model. Opaque to C: the pointer is a handle that the library looks up in a table and
@@ -59,6 +62,7 @@ fn status_of(e: &Error, loading: bool) -> AtlasStatus {
         _ if loading => AtlasStatus::ModelLoad,
         Error::InvalidRequest(_) | Error::Template(_) => AtlasStatus::InvalidRequest,
         Error::ContextOverflow(_) => AtlasStatus::ContextOverflow,
+        Error::CacheFull(_) => AtlasStatus::CacheFull,
         Error::Cancelled => AtlasStatus::Cancelled,
         _ => AtlasStatus::Internal,
     }
@@ -127,7 +131,7 @@ pub extern "C" fn atlas_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-const OPTION_KEYS: [&str; 12] = [
+const OPTION_KEYS: [&str; 13] = [
     "model",
     "device",
     "ctx_size",
@@ -135,6 +139,7 @@ const OPTION_KEYS: [&str; 12] = [
     "seed",
     "max_request_bytes",
     "prefix_cache_bytes",
+    "kv_cache_bytes",
     "draft_max",
     "draft_p_min",
     "parallel",
@@ -180,6 +185,7 @@ fn parse_options(json: &str) -> Result<LoadOptions, Error> {
         ctx_size: uint("ctx_size")?,
         threads: uint("threads")?.unwrap_or(0),
         prefix_cache_bytes: uint("prefix_cache_bytes")?,
+        kv_cache_bytes: uint("kv_cache_bytes")?,
         draft_max: uint("draft_max")?.unwrap_or(0),
         draft_p_min: match obj.get("draft_p_min") {
             None | Some(Value::Null) => DEFAULT_DRAFT_P_MIN,
@@ -213,7 +219,7 @@ fn failed(e: Error, loading: bool) -> (AtlasStatus, String) {
 }
 
 /// Loads a model. `options_json`: {"model": DIR, "device": "auto"|"cpu"|"hip"|"cuda",
-/// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N,
+/// "ctx_size": N, "threads": N, "seed": N, "max_request_bytes": N, "prefix_cache_bytes": N, "kv_cache_bytes": N,
 /// "draft_max": N, "draft_p_min": P, "parallel": N, "prefill_chunk": N, "cpu_kernels": K};
 /// unknown keys are an error. `draft_p_min`: the least probability of a token the model's own
 /// drafting head guesses (default 0.75); `parallel`: requests decoded at once (0 or absent: as

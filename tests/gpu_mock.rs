@@ -11,6 +11,7 @@ use atlas::backend::cpu::CpuBackend;
 use atlas::backend::gpu::runtime::{Arg, Runtime};
 use atlas::backend::gpu::GpuBackend;
 use atlas::model::config::RopeScaling;
+use atlas::backend::kv_pool::KV_BLOCK;
 use atlas::backend::StepOutput;
 use atlas::model::{Architecture, BatchRow, Bound, LanguageModel, ModelConfig, WeightSource};
 use atlas::quant::synthetic::SyntheticMatrix;
@@ -83,6 +84,8 @@ struct KvWrite {
     rows: i64,
     keys: u64,
     values: u64,
+    /// The sequence's block table: position p's row is in block table[p / KV_BLOCK].
+    table: u64,
     width: i64,
 }
 
@@ -104,17 +107,19 @@ impl KvWrite {
                         rows: if s as i64 == count - 1 { rows - s as i64 } else { 1 },
                         keys: caches.keys[s],
                         values: caches.values[s],
+                        table: caches.tables[s],
                         width,
                     })
                     .collect()
             }
             "kv_append" => vec![KvWrite {
-                position: int(&a[4]),
-                position_ptr: ptr(&a[5]),
+                position: int(&a[5]),
+                position_ptr: ptr(&a[6]),
                 rows,
                 keys: ptr(&a[2]),
                 values: ptr(&a[3]),
-                width: int(&a[6]),
+                table: ptr(&a[4]),
+                width: int(&a[7]),
             }],
             _ => Vec::new(),
         }
@@ -138,15 +143,25 @@ impl State {
     fn run(&mut self, launch: Launch) {
         for w in KvWrite::of(&launch) {
             let position = if w.position_ptr != 0 { self.read_i32(w.position_ptr) } else { w.position };
-            let rows = w.rows;
-            let (start, end) = (i128::from(position * w.width * 2), i128::from((position + rows) * w.width * 2));
-            for buffer in [w.keys, w.values] {
-                let size = self.allocations.get(&buffer).filter(|a| a.live).map_or(0, |a| a.bytes as i128);
-                if start < 0 || end > size {
-                    self.violations.push(format!(
-                        "{} writes bytes {start}..{end} (position {position}, {rows} rows) of a {size}-byte buffer",
-                        launch.kernel
-                    ));
+            for p in position..position + w.rows {
+                let entry = w.table + 4 * (p as u64 / KV_BLOCK as u64);
+                let table_size = self.allocations.get(&w.table).filter(|a| a.live).map_or(0, |a| a.bytes as u64);
+                if p < 0 || entry + 4 > w.table + table_size {
+                    self.violations.push(format!("{} writes position {p}, past its block table of {table_size} bytes", launch.kernel));
+                    continue;
+                }
+                // Entries never written read as -1 (the mock's fill).
+                let block = self.read_i32(entry);
+                let (start, end) = (i128::from((block * KV_BLOCK as i64 + p % KV_BLOCK as i64) * w.width * 2), 0);
+                let end = end + start + i128::from(w.width * 2);
+                for buffer in [w.keys, w.values] {
+                    let size = self.allocations.get(&buffer).filter(|a| a.live).map_or(0, |a| a.bytes as i128);
+                    if block < 0 || end > size {
+                        self.violations.push(format!(
+                            "{} writes bytes {start}..{end} (position {p}, block {block}) of a {size}-byte pool",
+                            launch.kernel
+                        ));
+                    }
                 }
             }
         }
@@ -164,7 +179,8 @@ impl Runtime for MockRuntime {
         // Gaps between allocations, so that a write past one lands in none.
         let base = 0x1000_0000 + s.next_address;
         s.next_address += (bytes as u64).next_multiple_of(256) + 256;
-        let data = (bytes <= KEPT_BYTES).then(|| vec![0; bytes]);
+        // Not zeros: a block table's entry read before it is written is then -1, no block.
+        let data = (bytes <= KEPT_BYTES).then(|| vec![0xff; bytes]);
         s.allocations.insert(base, Allocation { bytes, live: true, data });
         Ok(base)
     }
@@ -328,6 +344,9 @@ fn batched_steps_write_each_sequence_into_its_own_cache() {
     let ctx = 32;
     let mut model = load(&mock, ctx).unwrap();
     model.set_slots(3).unwrap();
+    // The load's pool holds one whole context; the three sequences share one of three.
+    let usage = model.kv_usage().unwrap();
+    model.set_kv_cache_bytes(3 * usage.blocks * usage.block_bytes).unwrap();
     // Prompts of different lengths, so that the sequences decode at different positions.
     let lengths = [3usize, 7, 12];
     for (slot, &len) in lengths.iter().enumerate() {
@@ -351,7 +370,7 @@ fn batched_steps_write_each_sequence_into_its_own_cache() {
     for launch in &appends {
         let Arg::KvRows(caches) = launch.args[7] else { panic!("no KvRows") };
         assert_eq!((caches.count, launch.grid[1]), (3, 3), "a batched step split its sequences");
-        assert!(caches.keys[..3].iter().all(|&k| k != 0) && caches.keys[0] != caches.keys[1] && caches.keys[1] != caches.keys[2]);
+        assert!(caches.tables[..3].iter().all(|&t| t != 0) && caches.tables[0] != caches.tables[1] && caches.tables[1] != caches.tables[2]);
     }
     assert_eq!(s.violations, Vec::<String>::new());
 }

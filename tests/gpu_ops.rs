@@ -6,8 +6,9 @@
 
 use std::path::PathBuf;
 
-use atlas::backend::cpu::{CpuBackend, CpuTensor};
-use atlas::backend::gpu::{cuda, GpuBackend, GpuTensor};
+use atlas::backend::cpu::{CpuBackend, CpuKvCache, CpuTensor};
+use atlas::backend::gpu::{cuda, GpuBackend, GpuKvCache, GpuTensor};
+use atlas::backend::kv_pool::KV_BLOCK;
 use atlas::backend::{AttentionShape, Backend, KvRestore, Proj, QkNorms, Rope};
 use atlas::quant::fp8::Fp8BlockMatrix;
 use atlas::quant::{DenseData, DenseMatrix, QuantMatrix};
@@ -43,6 +44,30 @@ fn skipped(reason: &str) {
 
 fn cpu() -> CpuBackend {
     CpuBackend::new(0).unwrap()
+}
+
+/// A KV cache of a pool of its own whose free blocks come out of order (30, 28, ..., then the
+/// odd ones): its positions land in scattered blocks, so the kernels' block tables are tested,
+/// not an identity mapping.
+fn gkv(g: &GpuBackend, width: usize) -> GpuKvCache {
+    g.set_kv_pool(width, 256).unwrap();
+    let taken: Vec<GpuKvCache> = (0..32)
+        .map(|_| {
+            let mut c = g.new_kv_cache(width, 0).unwrap();
+            g.reserve_kv(&mut c, KV_BLOCK).unwrap();
+            c
+        })
+        .collect();
+    let (odd, even): (Vec<_>, Vec<_>) = taken.into_iter().enumerate().partition(|(i, _)| i % 2 == 1);
+    drop(odd);
+    drop(even);
+    g.new_kv_cache(width, 0).unwrap()
+}
+
+/// A CPU cache, of a pool ample for every test here.
+fn ckv(c: &CpuBackend, width: usize) -> CpuKvCache {
+    c.set_kv_pool(width, 1024).unwrap();
+    c.new_kv_cache(width, 0).unwrap()
 }
 
 fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -289,7 +314,7 @@ fn attention_prefill_then_decode() {
     let padded = [(4, 2, 24), (6, 3, 40), (8, 2, 200), (4, 1, 20), (2, 1, 18)];
     for (heads, kv_heads, d) in [(8, 2, 64), (32, 8, 128), (4, 4, 32), (16, 1, 128), (8, 1, 256), (4, 2, 16), (6, 3, 80), (4, 1, 144), (32, 1, 64)].into_iter().chain(padded) {
         let shape = AttentionShape { num_heads: heads, num_kv_heads: kv_heads, head_dim: d };
-        let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
+        let (mut gc, mut cc) = (gkv(&g, kv_heads * d), ckv(&c, kv_heads * d));
         let mut pos = 0;
         // A long prefill (several tiles and decode splits), a continuation after cached context,
         // then single-token decodes.
@@ -310,7 +335,7 @@ fn attention_prefill_then_decode() {
         let rope = Rope { head_dim: d, inv_freq };
         let qn = pair(&g, 1, d, random(&mut rng, d, 1.5));
         let kn = pair(&g, 1, d, random(&mut rng, d, 1.5));
-        let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
+        let (mut gc, mut cc) = (gkv(&g, kv_heads * d), ckv(&c, kv_heads * d));
         let mut pos = 0;
         for t in [300, 1, 1] {
             let q = pair(&g, t, heads * d, random(&mut rng, t * heads * d, 1.0));
@@ -335,7 +360,7 @@ fn caches_saved_in_pieces_and_restored_together_are_the_same_bits() {
     let mut rng = Rng::new(12);
     let shapes = [AttentionShape { num_heads: 8, num_kv_heads: 2, head_dim: 64 }, AttentionShape { num_heads: 2, num_kv_heads: 1, head_dim: 18 }];
     let filled = 37;
-    let mut live: Vec<_> = shapes.iter().map(|s| g.new_kv_cache(s.num_kv_heads * s.head_dim, 0).unwrap()).collect();
+    let mut live: Vec<_> = shapes.iter().map(|s| gkv(&g, s.num_kv_heads * s.head_dim)).collect();
     for (cache, s) in live.iter_mut().zip(&shapes) {
         let q = g.upload_f32(filled, s.num_heads * s.head_dim, &random(&mut rng, filled * s.num_heads * s.head_dim, 1.0)).unwrap();
         let k = g.upload_f32(filled, s.num_kv_heads * s.head_dim, &random(&mut rng, filled * s.num_kv_heads * s.head_dim, 1.0)).unwrap();
@@ -344,7 +369,7 @@ fn caches_saved_in_pieces_and_restored_together_are_the_same_bits() {
     }
     let bounds = [(0, 16), (16, 16), (32, 5)];
     let pieces: Vec<Vec<_>> = bounds.iter().map(|&(start, len)| g.save_kv(&live.iter().collect::<Vec<_>>(), start, len).unwrap()).collect();
-    let mut restored: Vec<_> = shapes.iter().map(|s| g.new_kv_cache(s.num_kv_heads * s.head_dim, 0).unwrap()).collect();
+    let mut restored: Vec<_> = shapes.iter().map(|s| gkv(&g, s.num_kv_heads * s.head_dim)).collect();
     let mut restores: Vec<_> = restored
         .iter_mut()
         .enumerate()
@@ -383,7 +408,7 @@ fn attention_of_several_sequences_in_one_pass_gives_each_its_own_bits() {
             let q = random(&mut rng, len * heads * d, 1.0);
             let k = random(&mut rng, len * kv_heads * d, 1.0);
             let v = random(&mut rng, len * kv_heads * d, 1.0);
-            let mut caches = [g.new_kv_cache(kv_heads * d, 0).unwrap(), g.new_kv_cache(kv_heads * d, 0).unwrap()];
+            let mut caches = [gkv(&g, kv_heads * d), gkv(&g, kv_heads * d)];
             for cache in &mut caches {
                 let (qg, kg, vg) = (g.upload_f32(len, heads * d, &q).unwrap(), g.upload_f32(len, kv_heads * d, &k).unwrap(), g.upload_f32(len, kv_heads * d, &v).unwrap());
                 g.rotary_attention(qg, kg, &vg, gn, &rope, cache, 0, shape).unwrap();
@@ -391,7 +416,7 @@ fn attention_of_several_sequences_in_one_pass_gives_each_its_own_bits() {
             let [b, a] = caches;
             batched.push(b);
             alone.push(a);
-            let mut cc = c.new_kv_cache(kv_heads * d, 0).unwrap();
+            let mut cc = ckv(&c, kv_heads * d);
             c.rotary_attention(CpuTensor::new(len, heads * d, q), CpuTensor::new(len, kv_heads * d, k), &CpuTensor::new(len, kv_heads * d, v), cn, &rope, &mut cc, 0, shape).unwrap();
             host.push(cc);
         }
@@ -952,7 +977,7 @@ fn partial_rotary_turns_only_the_leading_dimensions() {
         let rope = Rope { head_dim: d, inv_freq };
         let qn = pair(&g, 1, d, random(&mut rng, d, 1.5));
         let kn = pair(&g, 1, d, random(&mut rng, d, 1.5));
-        let (mut gc, mut cc) = (g.new_kv_cache(kv_heads * d, 0).unwrap(), c.new_kv_cache(kv_heads * d, 0).unwrap());
+        let (mut gc, mut cc) = (gkv(&g, kv_heads * d), ckv(&c, kv_heads * d));
         let mut pos = 0;
         for t in [37, 1, 1] {
             let q = pair(&g, t, heads * d, random(&mut rng, t * heads * d, 1.0));

@@ -3,6 +3,7 @@
 
 pub mod cpu;
 pub mod gpu;
+pub mod kv_pool;
 
 use crate::sampling::{Adjustment, Cut, LogPartition};
 use crate::quant::QuantMatrix;
@@ -207,8 +208,20 @@ pub trait Backend: Send + Sync {
     fn upload_experts(&self, count: usize, expert: &mut dyn FnMut(usize) -> Result<HostMlp>) -> Result<Self::Experts>;
     /// A 1-row tensor (norm weights, biases).
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Tensor>;
-    /// A cache for `capacity` positions (it may grow past that on backends that can).
+    /// Keys and values of caches made from now on come from one pool of `blocks` blocks of
+    /// `kv_pool::KV_BLOCK` positions of `kv_width` values (allocated now, so that a device that
+    /// cannot hold it says so at once); caches made before keep their pool until dropped.
+    fn set_kv_pool(&self, kv_width: usize, blocks: usize) -> Result<()>;
+    /// Bytes of one block of keys and values of `kv_width` values a position.
+    fn kv_block_bytes(&self, kv_width: usize) -> usize;
+    /// Blocks in use and blocks in all of the pool; None before `set_kv_pool`.
+    fn kv_pool_usage(&self) -> Option<(usize, usize)>;
+    /// An empty cache of the pool, for `capacity` positions (it may grow past that on backends
+    /// that can). It takes blocks as positions are written, or at `reserve_kv`.
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<Self::KvCache>;
+    /// Takes the blocks `cache` needs for positions `0..positions` (`Error::CacheFull`, nothing
+    /// taken, when the pool has too few free).
+    fn reserve_kv(&self, cache: &mut Self::KvCache, positions: usize) -> Result<()>;
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 
     /// Positions `start..start + len` of each cache, copied out into caches of their own (a block

@@ -178,33 +178,51 @@ impl Shared {
         }
     }
 
-    /// One step of the model for `batch`; every row gets the step's error if it fails. A panic
+    /// One step of the model for `batch`. A row whose sequence cannot take its KV blocks gets
+    /// that error and stays out; every other row gets the step's error if it fails. A panic
     /// becomes that error too: unwinding past the queue would leave it led by no one.
     fn run(&self, batch: &[(u64, BatchRow)]) -> Vec<Result<StepResult>> {
-        let rows: Vec<BatchRow> = batch.iter().map(|(_, r)| *r).collect();
+        let mut refused: Vec<Option<Error>> = batch.iter().map(|_| None).collect();
         let step = std::panic::AssertUnwindSafe(|| {
             let mut model = self.model();
             clear_device_state(&mut model, &mut self.device_state.lock().unwrap_or_else(|p| p.into_inner()))?;
+            for ((_, row), refusal) in batch.iter().zip(&mut refused) {
+                *refusal = model.select(row.slot).and_then(|()| model.reserve(row.pos + 1)).err();
+            }
+            let rows: Vec<BatchRow> = batch.iter().zip(&refused).filter(|(_, r)| r.is_none()).map(|((_, row), _)| *row).collect();
+            if rows.is_empty() {
+                return Ok(Vec::new());
+            }
             model.step_batch(&rows)
         });
         let result = std::panic::catch_unwind(step).unwrap_or_else(|panic| {
             let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
             Err(Error::Device(format!("a batched decode step panicked: {}", what.unwrap_or_default())))
         });
-        match result {
+        let ran = refused.iter().filter(|r| r.is_none()).count();
+        let mut results: Box<dyn Iterator<Item = Result<StepResult>>> = match result {
             Ok(out) => {
                 let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
-                stats.steps += 1;
-                stats.rows += rows.len() as u64;
-                stats.widest = stats.widest.max(rows.len());
-                out.into_iter().map(Ok).collect()
+                if ran > 0 {
+                    stats.steps += 1;
+                    stats.rows += ran as u64;
+                    stats.widest = stats.widest.max(ran);
+                }
+                Box::new(out.into_iter().map(Ok))
             }
             Err(e) => {
                 let message = e.to_string();
                 let mut first = Some(e);
-                rows.iter().map(|_| Err(first.take().unwrap_or_else(|| Error::Device(message.clone())))).collect()
+                Box::new(std::iter::repeat_with(move || Err(first.take().unwrap_or_else(|| Error::Device(message.clone())))))
             }
-        }
+        };
+        refused
+            .into_iter()
+            .map(|refusal| match refusal {
+                Some(e) => Err(e),
+                None => results.next().unwrap_or_else(|| Err(Error::Device("a batched step returned fewer rows than it ran".into()))),
+            })
+            .collect()
     }
 
     fn finish(&self, slot: usize) {
@@ -361,8 +379,21 @@ impl LanguageModel for SlotModel {
         self.shared.model().free_memory()
     }
 
+    fn kv_usage(&self) -> Option<crate::model::KvUsage> {
+        self.shared.model().kv_usage()
+    }
+
     fn finish(&mut self) {
         self.shared.finish(self.slot);
+        let mut model = self.shared.model();
+        if model.select(self.slot).is_ok() {
+            model.finish();
+        }
+    }
+
+    fn claim(&mut self) -> bool {
+        let mut model = self.shared.model();
+        model.select(self.slot).is_ok() && model.claim()
     }
 
     fn can_draft(&self) -> bool {
@@ -388,6 +419,7 @@ mod tests {
     use crate::engine::{Device, Engine, EngineOptions, GenerateRequest, Generation};
     use crate::model::BatchRow;
     use crate::sampling::SamplingParams;
+    use crate::Error;
 
     const FIXTURES: [&str; 4] = ["qwen3_untied_gqa", "qwen3_moe_tiny", "qwen3_5_tiny", "qwen3_5_moe_tiny"];
 
@@ -451,6 +483,64 @@ mod tests {
         let opts = EngineOptions { device: Device::Cpu, parallel: 100_000, ..EngineOptions::new(dir) };
         let err = Engine::load(&opts, &mut |_| {}).err().expect("refused");
         assert!(err.to_string().contains("parallel 100000: at most 64"), "{err}");
+    }
+
+    /// Two sequences of a model whose KV pool holds 256 positions of every layer (one whole
+    /// context, four blocks a layer): a sequence that would need more than the others leave is
+    /// refused with `CacheFull`, taking nothing and harming no one; a finished sequence's blocks go
+    /// to the next that needs them, and its own next request, which then finds its cache gone,
+    /// starts again (from the prefix cache where it holds the history) with the same answer.
+    /// Dense and hybrid fixtures.
+    #[test]
+    fn sequences_share_one_kv_pool_and_a_full_pool_refuses_cleanly() {
+        for name in ["qwen3_untied_gqa", "qwen3_5_tiny"] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name);
+            let probe = load(name, 1);
+            let usage = probe.model.kv_usage().expect("a pool");
+            let layers = probe.config().attention_layers();
+            let one_context = crate::backend::kv_pool::blocks_for(256) * layers * usage.block_bytes;
+            let opts = EngineOptions { device: Device::Cpu, ctx_size: Some(256), parallel: 2, kv_cache_bytes: Some(one_context), ..EngineOptions::new(dir) };
+            let mut engines = Engine::load(&opts, &mut |_| {}).unwrap().split().unwrap();
+            let greedy = |prompt: Vec<u32>, n| GenerateRequest { prompt, max_tokens: Some(n), sampling: SamplingParams::default(), stop: vec![], ignore_eos: true, grammar: None, logprobs: None };
+            let mut alone = load(name, 1);
+
+            // Slot 0 reads 150 positions (three blocks a layer) and stays in the middle of its
+            // request (no `finish`); slot 1 then asks for 200: refused, nothing taken.
+            let first = prompt(1, 150);
+            let model = engines[0].model.as_mut();
+            model.step(&first, 0, StepOutput::Logits).unwrap();
+            let used = model.kv_usage().unwrap().used_blocks;
+            assert_eq!(used, 3 * layers, "{name}");
+            let err = engines[1].model.step(&prompt(2, 200), 0, StepOutput::Logits).unwrap_err();
+            assert!(matches!(err, Error::CacheFull(_)), "{name}: {err}");
+            assert!(err.to_string().contains("kv_cache_bytes"), "{name}: {err}");
+            assert_eq!(engines[1].model.kv_usage().unwrap().used_blocks, used, "{name}: a refused step took blocks");
+            // Slot 0 goes on as if nothing happened.
+            let next = engines[0].model.step(&[7], 150, StepOutput::Logits).unwrap();
+            alone.model.step(&first, 0, StepOutput::Logits).unwrap();
+            assert_eq!(logits(next), logits(alone.model.step(&[7], 150, StepOutput::Logits).unwrap()), "{name}");
+            engines[0].reset_cache();
+
+            // Whole requests: slot 0's answer, then slot 1's 200 positions (slot 0's blocks go to
+            // it), then slot 0's follow-up, which finds its cache gone.
+            let turn = greedy(prompt(3, 150), 10);
+            let answer = engines[0].generate_raw(&turn).unwrap();
+            assert_eq!(answer.tokens, alone.generate_raw(&turn).unwrap().tokens, "{name}");
+            let other = greedy(prompt(4, 200), 8);
+            assert_eq!(engines[1].generate_raw(&other).unwrap().tokens, alone.generate_raw(&other).unwrap().tokens, "{name}");
+            let mut follow = turn.prompt.clone();
+            follow.extend(&answer.tokens);
+            follow.extend(prompt(5, 20));
+            let follow = greedy(follow, 10);
+            let got = engines[0].generate_raw(&follow).unwrap();
+            let mut fresh = load(name, 1);
+            assert_eq!(got.tokens, fresh.generate_raw(&follow).unwrap().tokens, "{name}: the follow-up after its blocks went elsewhere");
+            // A hybrid model saves its state at the end of every turn; a dense one keeps whole
+            // blocks of 256 positions only (this history is shorter: recomputed).
+            if probe.model.is_recurrent() {
+                assert!(got.cached_tokens > 0, "{name}: the follow-up did not start from the prefix cache");
+            }
+        }
     }
 
     fn request(agent: usize, turn: usize) -> GenerateRequest {

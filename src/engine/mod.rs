@@ -65,6 +65,10 @@ pub struct EngineOptions {
     /// Memory for the prefix cache (see `prefix`), in bytes; 0 turns it off. None: half the
     /// device memory free after the load, or `DEFAULT_HOST_PREFIX_CACHE` on the CPU.
     pub prefix_cache_bytes: Option<usize>,
+    /// The KV pool that every sequence's keys and values come from, in bytes (see
+    /// `backend::kv_pool`). None: room for `parallel` sequences of the whole context, within half
+    /// the device memory free after the load (and at least one whole context where that fits).
+    pub kv_cache_bytes: Option<usize>,
     /// Speculative decoding of greedy requests: up to this many tokens drafted by prompt lookup
     /// (see `draft`), else by the model's multi-token-prediction head (at most
     /// `draft::HEAD_DRAFT_MAX` of them; the head is loaded only when this is not 0), and
@@ -73,9 +77,9 @@ pub struct EngineOptions {
     /// The head's guesses stop at the first whose probability is below this (a wrong guess
     /// costs a longer check, and on recurrent models a step run again).
     pub draft_p_min: f32,
-    /// Sequences decoded together (see `Engine::split`), each with a cache of the whole
-    /// context; 0: as many as a quarter of the device memory free after the load holds, at
-    /// most `batch::MAX_ROWS` (1 on the CPU).
+    /// Sequences decoded together (see `Engine::split`), their caches from one pool
+    /// (`kv_cache_bytes`); 0: as many as a quarter of the device memory free after the load
+    /// holds caches of the whole context for, at most `batch::MAX_ROWS` (1 on the CPU).
     pub parallel: usize,
     /// Prompt positions that one step of a model shared by several sequences (`parallel` over
     /// one) reads at most: a longer prompt takes several steps, and the others' decode steps run
@@ -100,7 +104,7 @@ pub const DEFAULT_HOST_PREFIX_CACHE: usize = 2 << 30;
 
 impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> Self {
-        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK, cpu_kernels: CpuKernels::Auto }
+        EngineOptions { model_dir: model_dir.into(), device: Device::Auto, ctx_size: None, threads: 0, prefix_cache_bytes: None, kv_cache_bytes: None, draft_max: 0, draft_p_min: DEFAULT_DRAFT_P_MIN, parallel: 1, prefill_chunk: DEFAULT_PREFILL_CHUNK, cpu_kernels: CpuKernels::Auto }
     }
 }
 
@@ -120,6 +124,8 @@ pub struct LoadReport {
     pub notes: Vec<String>,
     /// The prefix cache's budget in bytes.
     pub prefix_cache_bytes: usize,
+    /// The KV pool's bytes (see `EngineOptions::kv_cache_bytes`).
+    pub kv_cache_bytes: usize,
     /// Sequences decoded together (see `Engine::parallel`).
     pub parallel: usize,
     pub load_ms: f64,
@@ -242,6 +248,7 @@ impl Engine {
             n => n,
         };
         model.set_slots(parallel)?;
+        let kv_cache_bytes = set_kv_pool(model.as_mut(), opts.kv_cache_bytes, parallel, ctx_size, &mut notes)?;
         let prefix_cache_bytes = opts.prefix_cache_bytes.unwrap_or_else(|| model.free_memory().map_or(DEFAULT_HOST_PREFIX_CACHE, |free| free / 2));
         let report = LoadReport {
             model_dir: path.display().to_string(),
@@ -254,6 +261,7 @@ impl Engine {
             unused,
             notes,
             prefix_cache_bytes,
+            kv_cache_bytes,
             parallel,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         };
@@ -745,6 +753,10 @@ impl Engine {
     /// previous request's, else the prefix cache's pieces), always short of the last prompt
     /// token, which is run for its logits; returns its length.
     fn reuse_prefix(&mut self, prompt: &[u32]) -> Result<usize> {
+        // While this slot was idle, other sequences may have taken its KV blocks.
+        if self.model.claim() {
+            self.cached.clear();
+        }
         let limit = prompt.len() - 1;
         let common = common_prefix(&self.cached, prompt).min(limit);
         // Recurrent layers hold one state for all cached tokens: usable only to continue them.
@@ -1044,6 +1056,21 @@ impl LanguageModel for Noted {
     fn select(&mut self, slot: usize) -> Result<()> {
         self.inner.select(slot)
     }
+    fn finish(&mut self) {
+        self.inner.finish()
+    }
+    fn claim(&mut self) -> bool {
+        self.inner.claim()
+    }
+    fn reserve(&mut self, end: usize) -> Result<()> {
+        self.inner.reserve(end)
+    }
+    fn set_kv_cache_bytes(&mut self, bytes: usize) -> Result<usize> {
+        self.inner.set_kv_cache_bytes(bytes)
+    }
+    fn kv_usage(&self) -> Option<crate::model::KvUsage> {
+        self.inner.kv_usage()
+    }
     fn step_batch(&mut self, rows: &[BatchRow]) -> Result<Vec<StepResult>> {
         self.inner.step_batch(rows)
     }
@@ -1058,18 +1085,48 @@ impl LanguageModel for Noted {
     }
 }
 
+/// Sizes the model's KV pool (`EngineOptions::kv_cache_bytes`) and notes what it holds when
+/// that is less than every sequence's whole context; returns its bytes.
+fn set_kv_pool(model: &mut dyn LanguageModel, asked: Option<usize>, parallel: usize, ctx_size: usize, notes: &mut Vec<String>) -> Result<usize> {
+    let Some(usage) = model.kv_usage() else { return Ok(0) };
+    let per_sequence = crate::backend::kv_pool::blocks_for(ctx_size) * model.config().attention_layers().max(1) * usage.block_bytes;
+    let bytes = match asked {
+        Some(bytes) => bytes,
+        None => {
+            let want = per_sequence.saturating_mul(parallel);
+            match model.free_memory() {
+                // The load's own pool (one whole context) is free again once replaced.
+                Some(free) => {
+                    let available = free + usage.blocks * usage.block_bytes;
+                    want.min(available / 2).max(per_sequence.min(available * 9 / 10))
+                }
+                None => want,
+            }
+        }
+    };
+    let bytes = model.set_kv_cache_bytes(bytes)?;
+    let contexts = bytes as f64 / per_sequence.max(1) as f64;
+    if contexts < parallel as f64 {
+        notes.push(format!(
+            "the KV cache ({:.1} GiB) holds {contexts:.2} whole contexts of {ctx_size} positions for {parallel} sequences: they share it, and a request that finds it full is refused",
+            bytes as f64 / (1u64 << 30) as f64
+        ));
+    }
+    Ok(bytes)
+}
+
 /// `EngineOptions::parallel` = 0: as many sequences as a quarter of the free device memory holds
 /// caches for (keys and values in bf16, recurrent states in f32), within 1..=`batch::MAX_ROWS`.
 fn default_parallel(model: &dyn LanguageModel, ctx_size: usize) -> usize {
     let Some(free) = model.free_memory() else { return 1 };
     let c = model.config();
-    let (attention, recurrent) = match &c.hybrid {
+    let attention = c.attention_layers();
+    let recurrent = match &c.hybrid {
         Some(h) => {
-            let attention = h.layer_kinds.iter().filter(|k| matches!(k, crate::model::config::LayerKind::Attention)).count();
             let state = h.value_heads * h.key_head_dim * h.value_head_dim + (h.conv_kernel - 1) * h.conv_dim();
-            (attention, (c.num_layers - attention) * state * 4)
+            (c.num_layers.saturating_sub(attention - h.mtp_layers)) * state * 4
         }
-        None => (c.num_layers, 0),
+        None => 0,
     };
     let per_slot = (attention * ctx_size * c.kv_width() * 2 * 2 + recurrent).max(1);
     (free / 4 / per_slot).clamp(1, batch::MAX_ROWS)

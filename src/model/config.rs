@@ -359,6 +359,15 @@ impl ModelConfig {
     pub fn kv_width(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+
+    /// Layers that keep keys and values: every layer of a dense model; a hybrid's attention
+    /// layers and those of its drafting head, when loaded.
+    pub fn attention_layers(&self) -> usize {
+        match &self.hybrid {
+            Some(h) => h.layer_kinds.iter().filter(|k| matches!(k, LayerKind::Attention)).count() + h.mtp_layers,
+            None => self.num_layers,
+        }
+    }
 }
 
 /// One size a config declares: its config.json key, its GGUF key (after `{arch}.`), its value and

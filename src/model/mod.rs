@@ -17,6 +17,7 @@ use serde_json::Value;
 pub use config::{Architecture, ModelConfig};
 pub use weights::{LoadProgress, WeightSource};
 
+use crate::backend::kv_pool;
 use crate::backend::{AttentionShape, Backend, Capability, KvRestore, QkNorms, Rope, StepOutput, StepResult};
 use crate::sampling::Adjustment;
 use crate::{Error, Result};
@@ -105,8 +106,29 @@ pub trait LanguageModel: Send {
         step_one_by_one(self, rows)
     }
     /// The sequence in the selected slot takes no further steps for now: batching stops
-    /// waiting for it.
+    /// waiting for it, and its KV blocks may go to other sequences (see `claim`).
     fn finish(&mut self) {}
+    /// The selected slot is in use again: its blocks stay its own. Returns whether they went to
+    /// other sequences since `finish` (its cache is then empty: its engine starts again from the
+    /// prefix cache).
+    fn claim(&mut self) -> bool {
+        false
+    }
+    /// Takes the KV blocks the selected slot needs for positions `0..end` before a step
+    /// (`Backend::reserve_kv`), from idle slots (`finish`) when the pool has none free;
+    /// `Error::CacheFull`, nothing run, when even that leaves too few.
+    fn reserve(&mut self, _end: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Sizes the KV pool that every slot takes its blocks from at about `bytes` (whole blocks,
+    /// at least one per attention layer); each slot's cache starts empty. Returns the bytes.
+    fn set_kv_cache_bytes(&mut self, _bytes: usize) -> Result<usize> {
+        Ok(0)
+    }
+    /// KV blocks in use, blocks in the pool, and bytes a block (all layers' blocks count).
+    fn kv_usage(&self) -> Option<KvUsage> {
+        None
+    }
 
     /// Whether the model's own multi-token-prediction head is loaded (see `draft`).
     fn can_draft(&self) -> bool {
@@ -133,6 +155,14 @@ fn step_one_by_one<M: LanguageModel + ?Sized>(model: &mut M, rows: &[BatchRow]) 
         out.push(model.step(&[row.token], row.pos, row.want)?);
     }
     Ok(out)
+}
+
+/// What the KV pool holds (`LanguageModel::kv_usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvUsage {
+    pub used_blocks: usize,
+    pub blocks: usize,
+    pub block_bytes: usize,
 }
 
 /// One sequence's token in a batched decode step (`LanguageModel::step_batch`).
@@ -348,11 +378,17 @@ struct Slot<B: Backend> {
     /// Where a recorded single-token step leaves its final hidden state `[1, H]` (made at the
     /// first such step): `held` is then a view of it, read before the next replay.
     hidden_row: Option<B::Tensor>,
+    /// Positions whose keys and values the cache holds: a step starts at or before it.
+    filled: usize,
+    /// Finished (`LanguageModel::finish`) and not claimed since: its blocks may go to others.
+    idle: bool,
+    /// Its blocks went to others while it was idle (`LanguageModel::claim` says so once).
+    lost: bool,
 }
 
 impl<B: Backend> Slot<B> {
     fn new(cache: Vec<LayerCache<B>>) -> Self {
-        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, hidden_row: None }
+        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, hidden_row: None, filled: 0, idle: false, lost: false }
     }
 }
 
@@ -432,6 +468,14 @@ impl<B: Backend + 'static> Bound<B> {
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
         let model = load_network(config, source, &backend, progress)?;
+        // A pool for one sequence of the whole context, as each slot had its own cache before
+        // pools (the engine sizes it for its sequences: `set_kv_cache_bytes`).
+        let c = model.config();
+        let blocks = kv_pool::blocks_for(ctx_size)
+            .checked_mul(c.attention_layers().max(1))
+            .filter(|_| ctx_size <= i32::MAX as usize)
+            .ok_or_else(|| Error::InvalidArgument(format!("a context of {ctx_size} positions: the kernels take positions as 32-bit integers")))?;
+        backend.set_kv_pool(c.kv_width(), blocks)?;
         let cache = model.new_cache(&backend, ctx_size)?;
         let recurrent = cache.iter().any(|c| matches!(c, LayerCache::Recurrent { .. }));
         let slots = vec![Slot::new(cache)];
@@ -455,6 +499,69 @@ impl<B: Backend + 'static> Bound<B> {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidRequest(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
         }
+        Ok(())
+    }
+
+    /// Takes the KV blocks `slot` needs for positions `0..end`, taking back those of idle
+    /// slots when the pool has too few free (see `LanguageModel::reserve`).
+    fn reserve_slot(&mut self, slot: usize, end: usize) -> Result<()> {
+        match self.try_reserve(slot, end) {
+            Err(Error::CacheFull(_)) if self.reclaim(slot)? > 0 => self.try_reserve(slot, end),
+            other => other,
+        }
+        .map_err(|e| match e {
+            Error::CacheFull(why) => Error::CacheFull(format!(
+                "{why} (other sequences hold the rest: a larger kv_cache_bytes, or fewer sequences at once, makes room)"
+            )),
+            e => e,
+        })
+    }
+
+    fn try_reserve(&mut self, slot: usize, end: usize) -> Result<()> {
+        let b = &self.backend;
+        for layer in &mut self.slots[slot].cache {
+            if let LayerCache::Attention(kv) = layer {
+                b.reserve_kv(kv, end)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Empties the caches of idle slots other than `keep`, giving their blocks back to the pool;
+    /// returns how many it emptied.
+    fn reclaim(&mut self, keep: usize) -> Result<usize> {
+        let mut emptied = 0;
+        for i in 0..self.slots.len() {
+            let slot = &self.slots[i];
+            if i == keep || !slot.idle || slot.filled == 0 {
+                continue;
+            }
+            // The recorded steps point at the old caches' block tables.
+            let cache = self.model.new_cache(&self.backend, self.ctx_size)?;
+            let slot = &mut self.slots[i];
+            *slot = Slot { drafting: slot.drafting, hidden_row: slot.hidden_row.take(), lost: true, idle: true, ..Slot::new(cache) };
+            emptied += 1;
+        }
+        Ok(emptied)
+    }
+
+    /// The checks of a step of `slot` at `start_pos`, then its blocks: a failure changes nothing.
+    fn prepare_step(&mut self, slot: usize, start_pos: usize, end: usize) -> Result<()> {
+        self.slots[slot].idle = false;
+        let filled = self.slots[slot].filled;
+        if start_pos > filled {
+            return Err(Error::InvalidArgument(format!(
+                "a step at position {start_pos}, but the cache holds only the {filled} positions before it"
+            )));
+        }
+        self.prepare_recurrent(slot, start_pos)?;
+        if let Err(e) = self.reserve_slot(slot, end) {
+            // Nothing ran: the recurrent state is still at start_pos.
+            self.slots[slot].recurrent_at = Some(start_pos);
+            return Err(e);
+        }
+        // Positions from start_pos on are rewritten; until the step succeeds they hold nothing.
+        self.slots[slot].filled = start_pos;
         Ok(())
     }
 
@@ -488,14 +595,15 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
 
     fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {
         self.check_step(tokens, start_pos)?;
-        self.prepare_recurrent(self.current, start_pos)?;
         let end = start_pos + tokens.len();
+        self.prepare_step(self.current, start_pos, end)?;
         let began = std::time::Instant::now();
         let out = self.run_step(tokens, start_pos, want, meanwhile)?;
         if tokens.len() == 1 {
             StepCosts::note(&mut self.costs.single, began.elapsed().as_secs_f64());
         }
-        self.slots[self.current].recurrent_at = Some(end);
+        let slot = &mut self.slots[self.current];
+        (slot.recurrent_at, slot.filled) = (Some(end), end);
         Ok(out)
     }
 
@@ -520,6 +628,9 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             return Err(Error::InvalidArgument(format!("save: positions {start}..{end} in a context of {}", self.ctx_size)));
         }
         let slot = &self.slots[self.current];
+        if end > slot.filled {
+            return Err(Error::InvalidArgument(format!("save: positions {start}..{end}, but the cache holds {}", slot.filled)));
+        }
         let with_state = with_state && self.recurrent;
         if with_state && slot.recurrent_at != Some(end) {
             return Err(Error::InvalidArgument(format!("save: a state at position {end}, but the recurrent layers are elsewhere")));
@@ -555,9 +666,19 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         if self.recurrent && !last.has_state {
             return Err(Error::InvalidArgument("restore: a model with recurrent layers needs a saved state".into()));
         }
+        let first = pieces[0].start;
+        if first > self.slots[self.current].filled {
+            return Err(Error::InvalidArgument(format!(
+                "restore: pieces from position {first}, but the cache holds only {}",
+                self.slots[self.current].filled
+            )));
+        }
+        self.slots[self.current].idle = false;
+        self.reserve_slot(self.current, last.end)?;
         let slot = &mut self.slots[self.current];
         // A half-written cache is no state to continue from.
         slot.recurrent_at = None;
+        slot.filled = first;
         slot.held = None;
         let other_model = || Error::InvalidArgument("restore: the pieces were saved by another model".into());
         let saved: Vec<&Vec<SavedLayer<B>>> = pieces
@@ -588,7 +709,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             }
         }
         self.backend.restore_kv(&mut restores)?;
-        slot.recurrent_at = Some(last.end);
+        (slot.recurrent_at, slot.filled) = (Some(last.end), last.end);
         Ok(())
     }
 
@@ -604,12 +725,47 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         self.slots.truncate(n);
         while self.slots.len() < n {
             let cache = self.model.new_cache(&self.backend, self.ctx_size).map_err(|e| {
-                Error::Device(format!("the cache of sequence {} of {n} ({} positions) does not fit: {e}", self.slots.len() + 1, self.ctx_size))
+                Error::Device(format!("the cache of sequence {} of {n} does not fit: {e}", self.slots.len() + 1))
             })?;
             self.slots.push(Slot::new(cache));
         }
         self.current = self.current.min(n - 1);
         Ok(())
+    }
+
+    fn finish(&mut self) {
+        self.slots[self.current].idle = true;
+    }
+
+    fn claim(&mut self) -> bool {
+        let slot = &mut self.slots[self.current];
+        slot.idle = false;
+        std::mem::take(&mut slot.lost)
+    }
+
+    fn reserve(&mut self, end: usize) -> Result<()> {
+        self.reserve_slot(self.current, end)
+    }
+
+    fn set_kv_cache_bytes(&mut self, bytes: usize) -> Result<usize> {
+        let c = self.model.config();
+        let (width, layers) = (c.kv_width(), c.attention_layers().max(1));
+        let block = self.backend.kv_block_bytes(width).max(1);
+        let blocks = (bytes / block).max(layers);
+        // The old caches and pool go first: their memory is the new pool's.
+        for slot in &mut self.slots {
+            slot.cache = Vec::new();
+        }
+        self.backend.set_kv_pool(width, blocks)?;
+        for i in 0..self.slots.len() {
+            self.slots[i] = Slot::new(self.model.new_cache(&self.backend, self.ctx_size)?);
+        }
+        Ok(blocks * block)
+    }
+
+    fn kv_usage(&self) -> Option<KvUsage> {
+        let (used_blocks, blocks) = self.backend.kv_pool_usage()?;
+        Some(KvUsage { used_blocks, blocks, block_bytes: self.backend.kv_block_bytes(self.model.config().kv_width()) })
     }
 
     fn select(&mut self, slot: usize) -> Result<()> {
@@ -648,7 +804,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
             self.check_step(&[row.token], row.pos)?;
         }
         for row in rows {
-            self.prepare_recurrent(row.slot, row.pos)?;
+            self.prepare_step(row.slot, row.pos, row.pos + 1)?;
         }
         self.passes += 1;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
@@ -700,7 +856,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         }
         for row in rows {
             let slot = &mut self.slots[row.slot];
-            slot.recurrent_at = Some(row.pos + 1);
+            (slot.recurrent_at, slot.filled) = (Some(row.pos + 1), row.pos + 1);
             slot.held = None;
         }
         StepCosts::note(&mut self.costs.batched, began.elapsed().as_secs_f64() / rows.len() as f64);
@@ -721,6 +877,11 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
     }
 
     fn draft(&mut self, next: u32, pos: usize, k: usize, limit: usize, p_min: f32) -> Result<Vec<u32>> {
+        if self.model.draft_head().is_none() {
+            return Ok(Vec::new());
+        }
+        // The head's cache takes positions up to pos + k.
+        self.reserve_slot(self.current, (pos + k + 1).min(self.ctx_size))?;
         let Some(head) = self.model.draft_head() else { return Ok(Vec::new()) };
         let b = &self.backend;
         let slot = &mut self.slots[self.current];

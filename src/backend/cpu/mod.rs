@@ -6,8 +6,11 @@
 
 mod workers;
 
+use std::sync::Arc;
+
 use workers::Workers;
 
+use super::kv_pool::{BlockList, KvPool, KV_BLOCK};
 use super::{AttentionShape, Backend, Capability, DeltaShape, GatedMlp, KvRestore, Proj, Rope, Routing};
 use crate::quant::interleaved::{InterleavedMatrix, GROUP};
 use crate::quant::q8dot::{self, DotKernel, Q8Block};
@@ -41,6 +44,10 @@ pub struct CpuKvCache {
     width: usize,
     keys: Vec<f32>,
     values: Vec<f32>,
+    /// The pool's blocks this cache counts against (`Backend::set_kv_pool`: the host's memory
+    /// grows with the vectors, but a pool of the size asked limits the positions all sequences
+    /// hold together, as on a GPU). None for a saved piece.
+    blocks: Option<BlockList>,
 }
 
 impl CpuKvCache {
@@ -110,6 +117,8 @@ pub struct CpuBackend {
     token_mask: std::sync::Mutex<Option<Vec<u32>>>,
     /// See `Backend::set_logit_adjustments`.
     logit_adjust: std::sync::Mutex<Vec<Adjustment>>,
+    /// See `Backend::set_kv_pool`: the width it is for, and its books.
+    kv_pool: std::sync::Mutex<Option<(usize, Arc<KvPool>)>>,
 }
 
 impl CpuBackend {
@@ -121,7 +130,7 @@ impl CpuBackend {
     pub fn with_kernels(threads: usize, kernels: CpuKernels) -> Result<Self> {
         let workers = Workers::new(threads)?;
         let dot = kernels.resolve()?;
-        Ok(CpuBackend { workers, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()) })
+        Ok(CpuBackend { workers, dot, token_mask: std::sync::Mutex::new(None), logit_adjust: std::sync::Mutex::new(Vec::new()), kv_pool: std::sync::Mutex::new(None) })
     }
 
     /// `linear`, taking the input's 8-bit copy from `quantized` (made there on first use): the
@@ -486,9 +495,34 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(1, v.len(), v.to_vec()))
     }
 
+    fn set_kv_pool(&self, kv_width: usize, blocks: usize) -> Result<()> {
+        *self.kv_pool.lock().unwrap_or_else(|p| p.into_inner()) = Some((kv_width, KvPool::new(blocks)?));
+        Ok(())
+    }
+
+    fn kv_block_bytes(&self, kv_width: usize) -> usize {
+        2 * KV_BLOCK * (kv_width + 16) * std::mem::size_of::<f32>()
+    }
+
+    fn kv_pool_usage(&self) -> Option<(usize, usize)> {
+        let pool = self.kv_pool.lock().unwrap_or_else(|p| p.into_inner());
+        pool.as_ref().map(|(_, p)| (p.blocks() - p.free_blocks(), p.blocks()))
+    }
+
     fn new_kv_cache(&self, kv_width: usize, _capacity: usize) -> Result<CpuKvCache> {
+        let pool = self.kv_pool.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some((width, pool)) = pool else {
+            return Err(Error::InvalidArgument("a KV cache before its pool (Backend::set_kv_pool)".into()));
+        };
+        if width != kv_width {
+            return Err(Error::InvalidArgument(format!("a KV cache of width {kv_width} from a pool of width {width}")));
+        }
         // Grown as positions arrive: memory follows use, not the context size.
-        Ok(CpuKvCache { width: kv_width, keys: Vec::new(), values: Vec::new() })
+        Ok(CpuKvCache { width: kv_width, keys: Vec::new(), values: Vec::new(), blocks: Some(BlockList::new(&pool)) })
+    }
+
+    fn reserve_kv(&self, cache: &mut CpuKvCache, positions: usize) -> Result<()> {
+        cache.blocks.as_mut().map_or(Ok(0), |b| b.grow(positions)).map(|_| ())
     }
 
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
@@ -504,7 +538,7 @@ impl Backend for CpuBackend {
                 let Some(rows) = rows else {
                     return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past the {} cached", cache.positions())));
                 };
-                Ok(CpuKvCache { width: cache.width, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec() })
+                Ok(CpuKvCache { width: cache.width, keys: cache.keys[rows.clone()].to_vec(), values: cache.values[rows].to_vec(), blocks: None })
             })
             .collect()
     }
@@ -517,6 +551,7 @@ impl Backend for CpuBackend {
                 }
                 let from = start * cache.stride();
                 let end = from + saved.keys.len();
+                self.reserve_kv(cache, end / cache.stride())?;
                 cache.keys.resize(end, 0.0);
                 cache.values.resize(end, 0.0);
                 cache.keys[from..].copy_from_slice(&saved.keys);
@@ -634,6 +669,7 @@ impl Backend for CpuBackend {
         }
         let (t, stride) = (q.rows, cache.stride());
         let end = start_pos + t;
+        self.reserve_kv(cache, end)?;
         cache.keys.resize(end * stride, 0.0);
         cache.values.resize(end * stride, 0.0);
         for (cached, new) in [(&mut cache.keys, k), (&mut cache.values, v)] {
@@ -928,6 +964,7 @@ mod tests {
         let (prompt, extra) = (300, 21);
         let (qs, ks, vs) = (random(&mut rng, (prompt + extra) * q_cols), random(&mut rng, (prompt + extra) * width), random(&mut rng, (prompt + extra) * width));
         let b = CpuBackend::new(2).unwrap();
+        b.set_kv_pool(width, 16).unwrap();
         let prefilled = || {
             let mut cache = b.new_kv_cache(width, 0).unwrap();
             b.attention(&rows(&qs, 0, prompt, q_cols), &rows(&ks, 0, prompt, width), &rows(&vs, 0, prompt, width), &mut cache, 0, shape).unwrap();

@@ -5,6 +5,7 @@
 pub mod cuda;
 mod delta_net;
 pub mod hip;
+mod kv;
 mod moe;
 pub mod runtime;
 
@@ -17,7 +18,10 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use rayon::prelude::*;
 
+use self::kv::GpuKvPool;
+pub use self::kv::GpuKvCache;
 use self::runtime::{Arg, KvRows, Runtime, KV_ROWS};
+use super::kv_pool::{self, KV_BLOCK};
 use super::{AttentionShape, Backend, Capability, KvRestore, Proj, QkNorms, Rope, StepOutput, StepResult};
 use crate::quant::fp8::FP8_BLOCK;
 use crate::sampling::{Adjustment, LogPartition, MAX_DEVICE_TOP_K};
@@ -257,13 +261,6 @@ struct CopySpan {
     bytes: usize,
 }
 
-pub struct GpuKvCache {
-    keys: DeviceBuffer,
-    values: DeviceBuffer,
-    capacity: usize,
-    width: usize,
-}
-
 pub struct GpuBackend {
     rt: Arc<dyn Runtime>,
     /// Tickets of the kernels whose last block finishes the work (attention_decode's splits, one
@@ -282,6 +279,8 @@ pub struct GpuBackend {
     /// A request's adjustments (see `Backend::set_logit_adjustments`) as the logit_adjust kernel reads them:
     /// the count, the ids, then the biases, repetitions and subtrahends; with its capacity in entries, kept like the mask.
     logit_adjust: Mutex<Option<(DeviceBuffer, usize)>>,
+    /// Where new KV caches take their blocks (`Backend::set_kv_pool`).
+    kv_pool: Mutex<Option<Arc<GpuKvPool>>>,
 }
 
 /// The recorded decode steps. While recording, ops read the tokens and positions from `inputs`
@@ -521,7 +520,7 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None), kv_pool: Mutex::new(None) }
     }
 
     fn gemv_device(&self) -> GemvDevice {
@@ -739,14 +738,15 @@ impl GpuBackend {
         if decode_attention_fits(t, shape) {
             // A recording must fit every later position: it covers the whole cache (the kernel
             // sizes the splits from the position).
-            let longest = if pos_dev.is_some() { cache.capacity } else { start_pos + t };
+            let longest = if pos_dev.is_some() { cache.capacity() } else { start_pos + t };
             return self.attend_rows(q, KvRows::one(cache, start_pos), pos_dev, longest, shape);
         }
         let out = self.tensor(t, num_heads * d)?;
         let args = [
             Arg::Ptr(q.buf.ptr),
-            Arg::Ptr(cache.keys.ptr),
-            Arg::Ptr(cache.values.ptr),
+            Arg::Ptr(cache.keys()),
+            Arg::Ptr(cache.values()),
+            Arg::Ptr(cache.table()),
             Arg::Ptr(out.buf.ptr),
             Arg::I32(start_pos as i32),
             Arg::Ptr(pos_dev.unwrap_or(0)),
@@ -806,14 +806,18 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// Makes room in the cache for `rows` positions from `start_pos` (a recorded step cannot grow
-    /// it: its recording points at the buffers).
+    /// Makes room in the cache for `rows` positions from `start_pos`. A step being recorded
+    /// cannot take blocks (their table entries would be written into the recording): its caller
+    /// reserves them first (`Backend::reserve_kv`).
     fn make_room(&self, cache: &mut GpuKvCache, start_pos: usize, rows: usize) -> Result<()> {
         let end = start_pos
             .checked_add(rows)
             .ok_or_else(|| Error::ContextOverflow(format!("{rows} positions from {start_pos}")))?;
-        if self.recorded_pos().is_some() && end > cache.capacity {
-            return Err(Error::ContextOverflow(format!("position {end} is past the KV cache of {}", cache.capacity)));
+        if self.recorded_pos().is_some() && end > cache.held() {
+            return Err(Error::InvalidArgument(format!(
+                "a recorded step reaches position {end}, past the {} positions its KV cache holds",
+                cache.held()
+            )));
         }
         self.grow_cache(cache, end)
     }
@@ -1108,21 +1112,10 @@ impl GpuBackend {
     }
 
     fn grow_cache(&self, cache: &mut GpuKvCache, needed: usize) -> Result<()> {
-        if needed <= cache.capacity {
-            return Ok(());
+        if cache.grow(&self.rt, needed)? {
+            // The recorded decode steps point at the old block table.
+            self.forget_recording();
         }
-        // The recorded decode step points at the old buffers.
-        self.forget_recording();
-        let capacity = needed.checked_next_power_of_two().unwrap_or(usize::MAX).max(256);
-        let bytes = kv_bytes(capacity, cache.width)?;
-        let keys = DeviceBuffer::new(&self.rt, bytes)?;
-        let values = DeviceBuffer::new(&self.rt, bytes)?;
-        let used = kv_bytes(cache.capacity, cache.width)?;
-        if used > 0 {
-            self.rt.copy(keys.ptr, cache.keys.ptr, used)?;
-            self.rt.copy(values.ptr, cache.values.ptr, used)?;
-        }
-        *cache = GpuKvCache { keys, values, capacity, width: cache.width };
         Ok(())
     }
 }
@@ -1138,8 +1131,12 @@ impl KvRows {
     /// Rows of one sequence, the first at `start_pos` of `cache`.
     fn one(cache: &GpuKvCache, start_pos: usize) -> Self {
         let mut rows = KvRows { count: 1, ..KvRows::default() };
-        (rows.keys[0], rows.values[0], rows.pos[0]) = (cache.keys.ptr, cache.values.ptr, start_pos as i32);
+        rows.set(0, cache, start_pos);
         rows
+    }
+
+    fn set(&mut self, i: usize, cache: &GpuKvCache, pos: usize) {
+        (self.keys[i], self.values[i], self.tables[i], self.pos[i]) = (cache.keys(), cache.values(), cache.table(), pos as i32);
     }
 }
 
@@ -1234,18 +1231,38 @@ impl Backend for GpuBackend {
         self.upload_f32(1, v.len(), v)
     }
 
+    fn set_kv_pool(&self, kv_width: usize, blocks: usize) -> Result<()> {
+        let mut pool = self.kv_pool.lock().unwrap_or_else(|p| p.into_inner());
+        // The old pool's memory goes first (caches made from it keep it until they are dropped).
+        *pool = None;
+        *pool = Some(GpuKvPool::new(&self.rt, kv_width, blocks)?);
+        Ok(())
+    }
+
+    fn kv_block_bytes(&self, kv_width: usize) -> usize {
+        2 * kv_bytes(KV_BLOCK, kv_width).unwrap_or(usize::MAX / 2)
+    }
+
     fn new_kv_cache(&self, kv_width: usize, capacity: usize) -> Result<GpuKvCache> {
-        let bytes = kv_bytes(capacity, kv_width)?.max(2);
+        let pool = self.kv_pool.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let pool = pool.ok_or_else(|| Error::InvalidArgument("a KV cache before its pool (Backend::set_kv_pool)".into()))?;
+        if pool.width() != kv_width {
+            return Err(Error::InvalidArgument(format!("a KV cache of width {kv_width} from a pool of width {}", pool.width())));
+        }
         self.tickets()?;
         // A recorded decode step points at the caches it was recorded with: a model that makes its
         // caches afresh (a hybrid one restarting its recurrent states at position 0) records anew.
         self.forget_recording();
-        Ok(GpuKvCache {
-            keys: DeviceBuffer::new(&self.rt, bytes)?,
-            values: DeviceBuffer::new(&self.rt, bytes)?,
-            capacity,
-            width: kv_width,
-        })
+        GpuKvCache::new(&self.rt, &pool, capacity)
+    }
+
+    fn reserve_kv(&self, cache: &mut GpuKvCache, positions: usize) -> Result<()> {
+        self.grow_cache(cache, positions)
+    }
+
+    fn kv_pool_usage(&self) -> Option<(usize, usize)> {
+        let pool = self.kv_pool.lock().unwrap_or_else(|p| p.into_inner());
+        pool.as_ref().map(|p| (p.books().blocks() - p.books().free_blocks(), p.books().blocks()))
     }
 
     fn to_host(&self, x: &GpuTensor) -> Result<Vec<f32>> {
@@ -1258,20 +1275,18 @@ impl Backend for GpuBackend {
 
     fn save_kv(&self, caches: &[&GpuKvCache], start: usize, len: usize) -> Result<Vec<GpuKvCache>> {
         let mut saved = Vec::with_capacity(caches.len());
-        let mut spans = Vec::with_capacity(2 * caches.len());
+        let mut spans = Vec::new();
         for cache in caches {
-            if start.checked_add(len).is_none_or(|end| end > cache.capacity) {
-                return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past a cache of {}", cache.capacity)));
+            if start.checked_add(len).is_none_or(|end| end > cache.held()) {
+                return Err(Error::InvalidArgument(format!("save_kv: positions {start}..+{len} past a cache of {}", cache.held())));
             }
-            let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(len, cache.width)?.max(2));
-            let copy = GpuKvCache {
-                keys: DeviceBuffer::new(&self.rt, bytes)?,
-                values: DeviceBuffer::new(&self.rt, bytes)?,
-                capacity: len,
-                width: cache.width,
-            };
-            spans.push(CopySpan { dst: copy.keys.ptr, src: cache.keys.ptr + offset, bytes });
-            spans.push(CopySpan { dst: copy.values.ptr, src: cache.values.ptr + offset, bytes });
+            // A piece of the prefix cache is no sequence's: its blocks are a pool of its own,
+            // counted against the prefix cache's budget, not the sequences' pool.
+            let pool = GpuKvPool::new(&self.rt, cache.width(), kv_pool::blocks_for(len))?;
+            let mut copy = GpuKvCache::new(&self.rt, &pool, len)?;
+            copy.grow(&self.rt, len)?;
+            copy.set_len(len);
+            GpuKvCache::spans(cache, start, &copy, 0, len, &mut spans)?;
             saved.push(copy);
         }
         self.copy_spans(&spans)?;
@@ -1283,24 +1298,22 @@ impl Backend for GpuBackend {
         for KvRestore { cache, pieces } in restores.iter_mut() {
             let mut end = 0;
             for &(saved, start) in pieces.iter() {
-                if saved.width != cache.width {
-                    return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width, cache.width)));
+                if saved.width() != cache.width() {
+                    return Err(Error::InvalidArgument(format!("restore_kv: width {} into a cache of width {}", saved.width(), cache.width())));
                 }
-                let piece_end = start.checked_add(saved.capacity).ok_or_else(|| Error::InvalidArgument("restore_kv: position overflow".into()))?;
+                let piece_end = start.checked_add(saved.len()).ok_or_else(|| Error::InvalidArgument("restore_kv: position overflow".into()))?;
                 end = end.max(piece_end);
             }
             self.grow_cache(cache, end)?;
             for &(saved, start) in pieces.iter() {
-                let (offset, bytes) = (kv_bytes(start, cache.width)? as u64, kv_bytes(saved.capacity, cache.width)?);
-                spans.push(CopySpan { dst: cache.keys.ptr + offset, src: saved.keys.ptr, bytes });
-                spans.push(CopySpan { dst: cache.values.ptr + offset, src: saved.values.ptr, bytes });
+                GpuKvCache::spans(saved, 0, cache, start, saved.len(), &mut spans)?;
             }
         }
         self.copy_spans(&spans)
     }
 
     fn kv_bytes(&self, cache: &GpuKvCache) -> usize {
-        2 * kv_bytes(cache.capacity, cache.width).unwrap_or(usize::MAX / 2)
+        cache.bytes()
     }
 
     fn free_memory(&self) -> Option<usize> {
@@ -1507,7 +1520,7 @@ impl Backend for GpuBackend {
         start_pos: usize,
         shape: AttentionShape,
     ) -> Result<GpuTensor> {
-        Self::check_attention(&q, &k, v, cache.width, shape)?;
+        Self::check_attention(&q, &k, v, cache.width(), shape)?;
         self.make_room(cache, start_pos, q.rows)?;
         self.rope_append(&q, &k, v, norms, rope, KvRows::one(cache, start_pos), self.recorded_pos(), shape)?;
         self.attend(&q, cache, start_pos, shape)
@@ -1533,10 +1546,10 @@ impl Backend for GpuBackend {
         let mut rows = KvRows { count: n as i32, ..KvRows::default() };
         let mut longest = 0;
         for (i, (cache, &pos)) in caches.iter_mut().zip(positions).enumerate() {
-            Self::check_attention(&q, &k, v, cache.width, shape)?;
+            Self::check_attention(&q, &k, v, cache.width(), shape)?;
             self.make_room(cache, pos, 1)?;
-            (rows.keys[i], rows.values[i], rows.pos[i]) = (cache.keys.ptr, cache.values.ptr, pos as i32);
-            longest = longest.max(if pos_dev.is_some() { cache.capacity } else { pos + 1 });
+            rows.set(i, cache, pos);
+            longest = longest.max(if pos_dev.is_some() { cache.capacity() } else { pos + 1 });
         }
         self.rope_append(&q, &k, v, norms, rope, rows, pos_dev, shape)?;
         self.attend_rows(&q, rows, pos_dev, longest, shape)
@@ -1567,11 +1580,20 @@ impl Backend for GpuBackend {
         start_pos: usize,
         shape: AttentionShape,
     ) -> Result<GpuTensor> {
-        Self::check_attention(q, k, v, cache.width, shape)?;
+        Self::check_attention(q, k, v, cache.width(), shape)?;
         self.make_room(cache, start_pos, q.rows)?;
-        let width = cache.width;
+        let width = cache.width();
         let pos_dev = self.recorded_pos().unwrap_or(0);
-        let args = [Arg::Ptr(k.buf.ptr), Arg::Ptr(v.buf.ptr), Arg::Ptr(cache.keys.ptr), Arg::Ptr(cache.values.ptr), Arg::I32(start_pos as i32), Arg::Ptr(pos_dev), Arg::I32(width as i32)];
+        let args = [
+            Arg::Ptr(k.buf.ptr),
+            Arg::Ptr(v.buf.ptr),
+            Arg::Ptr(cache.keys()),
+            Arg::Ptr(cache.values()),
+            Arg::Ptr(cache.table()),
+            Arg::I32(start_pos as i32),
+            Arg::Ptr(pos_dev),
+            Arg::I32(width as i32),
+        ];
         self.rt.launch("kv_append", [blocks(width, BLOCK), q.rows as u32, 1], [BLOCK, 1, 1], 0, &args)?;
         self.attend(q, cache, start_pos, shape)
     }

@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use crate::Result;
 
 /// One kernel argument, passed by value.
+// A launch's dozen arguments live on the stack for its duration: boxing the one large variant
+// would allocate at every launch of the decode step instead.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy)]
 pub enum Arg {
     Ptr(u64),
@@ -18,12 +21,13 @@ pub enum Arg {
 }
 
 /// Sequences a decode-shaped step's rows belong to, as kernels/common/kv_rows.h's struct of the
-/// same name (which the kernels take by value): each sequence's key and value caches and first
-/// row's position; row t belongs to sequence min(t, count - 1).
+/// same name (which the kernels take by value): each sequence's key and value pool, block table
+/// and first row's position; row t belongs to sequence min(t, count - 1).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvRows {
     pub keys: [u64; KV_ROWS],
     pub values: [u64; KV_ROWS],
+    pub tables: [u64; KV_ROWS],
     pub pos: [i32; KV_ROWS],
     pub count: i32,
 }
@@ -33,12 +37,12 @@ pub const KV_ROWS: usize = 8;
 
 impl KvRows {
     /// Appends the C struct's words: the pointers, then the positions and the count two to a word
-    /// (its size, 168 bytes, is a whole number of words: the count's word ends in padding).
+    /// (its size, 232 bytes, is a whole number of words: the count's word ends in padding).
     fn push_words(&self, words: &mut Vec<u64>) {
         let mut ints = [0i32; KV_ROWS + 2];
         ints[..KV_ROWS].copy_from_slice(&self.pos);
         ints[KV_ROWS] = self.count;
-        words.extend(self.keys.iter().chain(&self.values));
+        words.extend(self.keys.iter().chain(&self.values).chain(&self.tables));
         words.extend(ints.chunks_exact(2).map(|p| u64::from(p[0] as u32) | u64::from(p[1] as u32) << 32));
     }
 }
@@ -332,29 +336,31 @@ mod tests {
     use super::*;
 
     /// A `KvRows` takes the bytes of kernels/common/kv_rows.h's struct: 8 key pointers at 0, 8
-    /// value pointers at 64, 8 positions at 128, the count at 160, 168 bytes in all; the
-    /// parameters around it keep one word each.
+    /// value pointers at 64, 8 block tables at 128, 8 positions at 192, the count at 224, 232
+    /// bytes in all; the parameters around it keep one word each.
     #[test]
     fn kv_rows_are_laid_out_as_the_kernels_struct() {
         let rows = KvRows {
             keys: std::array::from_fn(|i| 0x1000 + i as u64),
             values: std::array::from_fn(|i| 0x2000 + i as u64),
+            tables: std::array::from_fn(|i| 0x3000 + i as u64),
             pos: std::array::from_fn(|i| 10 * i as i32 - 1),
             count: 5,
         };
         let mut words = ArgWords::new(&[Arg::I32(-2), Arg::KvRows(rows), Arg::F32(1.5)]);
-        assert_eq!(words.words.len(), 1 + 21 + 1);
-        assert_eq!(words.starts, [0, 1, 22]);
-        let bytes: Vec<u8> = words.words[1..22].iter().flat_map(|w| w.to_le_bytes()).collect();
+        assert_eq!(words.words.len(), 1 + 29 + 1);
+        assert_eq!(words.starts, [0, 1, 30]);
+        let bytes: Vec<u8> = words.words[1..30].iter().flat_map(|w| w.to_le_bytes()).collect();
         let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
         let int = |at: usize| i32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
         assert_eq!((word(0), word(56), word(64), word(120)), (0x1000, 0x1007, 0x2000, 0x2007));
-        assert_eq!((int(128), int(132), int(156), int(160)), (-1, 9, 69, 5));
+        assert_eq!((word(128), word(184)), (0x3000, 0x3007));
+        assert_eq!((int(192), int(196), int(220), int(224)), (-1, 9, 69, 5));
         assert_eq!(words.words[0] as u32 as i32, -2);
-        assert_eq!(f32::from_bits(words.words[22] as u32), 1.5);
+        assert_eq!(f32::from_bits(words.words[30] as u32), 1.5);
         let pointers = words.pointers();
         assert_eq!(pointers[1] as usize - pointers[0] as usize, 8);
-        assert_eq!(pointers[2] as usize - pointers[1] as usize, 21 * 8);
+        assert_eq!(pointers[2] as usize - pointers[1] as usize, 29 * 8);
     }
 
     /// Without a cache directory, compiled kernels are not cached, least of all relative to the

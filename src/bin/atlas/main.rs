@@ -151,6 +151,12 @@ pub struct LoadArgs {
     /// memory free after the load; 2048 on the CPU.
     #[arg(long, value_name = "MIB")]
     prefix_cache: Option<usize>,
+    /// Memory for the keys and values of every sequence, one pool in blocks of 64 positions that
+    /// the sequences decoded at once share: each takes blocks as it grows. Default: room for
+    /// --parallel whole contexts within half the GPU memory free after the load (at least one
+    /// whole context where that fits). A request that finds it full is refused, not queued.
+    #[arg(long, value_name = "MIB")]
+    kv_cache: Option<usize>,
     /// Speculative decoding of greedy requests (temperature 0, no grammar, penalties or logprobs):
     /// up to N tokens guessed from earlier text (prompt lookup: what followed the last earlier
     /// occurrence of the latest few tokens), else by the model's own multi-token-prediction head
@@ -162,8 +168,8 @@ pub struct LoadArgs {
     /// stop at the first below it (a wrong guess makes the check longer).
     #[arg(long, value_name = "P", default_value_t = DEFAULT_DRAFT_P_MIN)]
     draft_p_min: f32,
-    /// Requests decoded at once, each with a cache of the whole context (allocated at the load):
-    /// their decode steps run as one batched step, which reads the weights once for all of them.
+    /// Requests decoded at once, their caches from one pool (--kv-cache): their decode steps run
+    /// as one batched step, which reads the weights once for all of them.
     /// 0: as many as a quarter of the GPU memory free after the load holds, at most 8. Default: 0
     /// for `serve`, 1 otherwise (and always 1 on the CPU unless given). `bench` with N > 1 adds
     /// "tg{n} xN": N greedy generations at once, all their decode tokens per second.
@@ -209,6 +215,7 @@ impl LoadArgs {
             ctx_size: self.ctx_size,
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
+            kv_cache_bytes: self.kv_cache.map(|mib| mib.saturating_mul(1 << 20)),
             draft_max: self.draft_max,
             draft_p_min: self.draft_p_min,
             parallel: self.parallel.unwrap_or(1),
@@ -234,6 +241,7 @@ impl LoadArgs {
             ctx_size: self.ctx_size,
             threads: self.threads,
             prefix_cache_bytes: self.prefix_cache_bytes(),
+            kv_cache_bytes: self.kv_cache.map(|mib| mib.saturating_mul(1 << 20)),
             draft_max: self.draft_max,
             draft_p_min: self.draft_p_min,
             parallel: self.parallel.unwrap_or(1),

@@ -177,6 +177,7 @@ impl From<Error> for ApiError {
                 ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded", message)
             }
             Error::Cancelled => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "cancelled", message),
+            Error::CacheFull(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "kv_cache_full", message),
             _ => ApiError::internal(message),
         }
     }
@@ -737,6 +738,7 @@ mod tests {
             (Error::Template("x".into()), 400, "invalid_request"),
             (Error::Unsupported("n".into()), 400, "unsupported"),
             (Error::ContextOverflow("x".into()), 400, "context_length_exceeded"),
+            (Error::CacheFull("x".into()), 503, "kv_cache_full"),
             (Error::Tokenizer("x".into()), 500, "internal_error"),
             (Error::Device("x".into()), 500, "internal_error"),
         ];
