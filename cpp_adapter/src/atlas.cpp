@@ -76,6 +76,7 @@ std::string status_name(AtlasStatus code) {
         case ATLAS_STATUS_DEVICE: return "ATLAS_STATUS_DEVICE";
         case ATLAS_STATUS_CANCELLED: return "ATLAS_STATUS_CANCELLED";
         case ATLAS_STATUS_INTERNAL: return "ATLAS_STATUS_INTERNAL";
+        case ATLAS_STATUS_CACHE_FULL: return "ATLAS_STATUS_CACHE_FULL";
     }
     return "ATLAS_STATUS_" + std::to_string(static_cast<std::int32_t>(code));
 }

@@ -195,6 +195,7 @@ void test_building_blocks(const std::string& model_dir) {
     CHECK(AtlasServer::error_response(ATLAS_STATUS_UNSUPPORTED, "x")["error"]["type"] == "unsupported_operation", "unsupported");
     CHECK(AtlasServer::error_response(ATLAS_STATUS_CANCELLED, "x")["error"]["status_code"] == 499, "cancelled");
     CHECK(AtlasServer::error_response(ATLAS_STATUS_DEVICE, "x")["error"]["status_code"] == 500, "device");
+    CHECK(AtlasServer::error_response(ATLAS_STATUS_CACHE_FULL, "x")["error"]["status_code"] == 503, "cache full");
 }
 
 void test_descriptor_and_registry() {

@@ -219,6 +219,10 @@ json AtlasServer::error_response(int32_t atlas_status, const std::string& messag
         case ATLAS_STATUS_DEVICE:
             code = "device_error";
             break;
+        case ATLAS_STATUS_CACHE_FULL:
+            code = "kv_cache_full";
+            http_status = 503;  // busy: the same request fits once other sequences finish
+            break;
         default:
             code = "internal_error";
             break;
