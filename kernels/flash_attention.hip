@@ -102,15 +102,17 @@ static_assert(FA_BQ % 32 == 0, "the head_dim 256 path runs FA_BQ / 32 passes of 
 // Loads the K (or V) tile's 16-byte pieces this thread owns: position kb + e / (HDP/8) for K
 // (e = threadIdx.x + i*FA_THREADS), head dims (e % (HDP/8))*8 ..+7. For V the positions of a
 // thread are consecutive: kb + (threadIdx.x / (HDP/8)) * V_POS + i, dims (threadIdx.x % (HDP/8))*8.
-// Positions at or past kv_end and dims past head_dim read as zero.
+// Positions at or past kv_end and dims past head_dim read as zero. A tile's positions lie in one KV
+// block (kb is a multiple of BK, which divides KV_BLOCK): one block-table read a tile.
 template <typename C, int HDP>
 __device__ __forceinline__ void fa_load_k(uint4* r, const bf16* base, const int* table, int width, int kb, int kv_end,
                                           int head_dim) {
+    const bf16* tile = base + kv_offset(table, kb, width);
 #pragma unroll
     for (int i = 0; i < C::K_VECS; i++) {
         const int e = threadIdx.x + i * FA_THREADS, p = e / (HDP / 8), dc = e % (HDP / 8);
         const int pos = kb + p;
-        r[i] = pos < kv_end ? load8_bf16(base + kv_offset(table, pos, width), dc * 8, head_dim, head_dim % 8 == 0)
+        r[i] = pos < kv_end ? load8_bf16(tile + (long)p * width, dc * 8, head_dim, head_dim % 8 == 0)
                             : make_uint4(0, 0, 0, 0);
     }
 }
@@ -119,10 +121,11 @@ template <typename C, int HDP>
 __device__ __forceinline__ void fa_load_v(uint4* r, const bf16* base, const int* table, int width, int kb, int kv_end,
                                           int head_dim) {
     const int dc = threadIdx.x % (HDP / 8), p0 = (threadIdx.x / (HDP / 8)) * C::V_POS;
+    const bf16* tile = base + kv_offset(table, kb, width);
 #pragma unroll
     for (int i = 0; i < C::V_POS; i++) {
         const int pos = kb + p0 + i;
-        r[i] = pos < kv_end ? load8_bf16(base + kv_offset(table, pos, width), dc * 8, head_dim, head_dim % 8 == 0)
+        r[i] = pos < kv_end ? load8_bf16(tile + (long)(p0 + i) * width, dc * 8, head_dim, head_dim % 8 == 0)
                             : make_uint4(0, 0, 0, 0);
     }
 }
@@ -158,6 +161,7 @@ __device__ __forceinline__ void fa_pass(unsigned char* smem, const float* q, con
                                         float* out, int start_pos, int T, int heads, int kv_heads, int head_dim,
                                         float scale, int q0, int h) {
     typedef fa_cfg<HDP, BQS, BK, ALIAS> C;
+    static_assert(KV_BLOCK % BK == 0, "a key tile lies in one KV block");
     bf16* sQ = (bf16*)smem;
     bf16* sK = (bf16*)(smem + C::OFF_K);
     bf16* sVt = (bf16*)(smem + C::OFF_V);
