@@ -14,13 +14,27 @@
 // as CONV_CHUNK >= K-1, and take their previous inputs from x), and it alone then writes the new
 // state of its channel: no other thread touches that channel's state. Needs 1 <= K <= CONV_MAX_K.
 // Launch: grid (ceil(C / 256), ceil(T / CONV_CHUNK)), block 256. Decode (T = 1): a thread per channel.
+//
+// The _rows kernels (conv1d_silu_rows, gated_delta_rule_rows) are the decode step of several
+// sequences at once: row r of the inputs and output is one token of sequence r, whose states are
+// states.conv[r] and states.delta[r] (at most DN_SEQS rows a launch; grid z = the rows). Each row
+// runs the code of a single sequence's launch, so it gets the bits it gets alone.
 #define CONV_MAX_K 8
 #define CONV_CHUNK 64
+#define DN_SEQS 8
 
-ATLAS_KERNEL void conv1d_silu(const float* x, const float* weight, float* state, float* out, int T, int C, int K) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+// The recurrent states of the sequences of a batched decode step, passed by value
+// (src/backend/gpu/runtime.rs lays out the same struct).
+struct DnStates {
+    float* conv[DN_SEQS];   // [K-1, C] each
+    float* delta[DN_SEQS];  // [Hv, dk, dv] each
+};
+
+// Channel c over the chunk `chunk` of the tokens.
+__device__ __forceinline__ void conv1d_silu_channel(const float* x, const float* weight, float* state, float* out,
+                                                    int T, int C, int K, int c, int chunk) {
     if (c >= C) return;
-    const int t0 = blockIdx.y * CONV_CHUNK, t1 = min(T, t0 + CONV_CHUNK);
+    const int t0 = chunk * CONV_CHUNK, t1 = min(T, t0 + CONV_CHUNK);
     // Window row r is state row r for r < K-1, else x row r - (K-1).
     float taps[CONV_MAX_K], win[CONV_MAX_K];
 #pragma unroll
@@ -42,7 +56,7 @@ ATLAS_KERNEL void conv1d_silu(const float* x, const float* weight, float* state,
 #pragma unroll
         for (int j = 0; j < CONV_MAX_K - 1; j++) win[j] = j + 1 < K - 1 ? win[j + 1] : j + 1 == K - 1 ? xt : 0.0f;
     }
-    if (blockIdx.y != 0) return;
+    if (chunk != 0) return;
     // New state row r = window row T + r: the old state row T + r while that is below K-1 (only when
     // T < K-1; rows are written in increasing order and T + r > r, so it is read before it is
     // overwritten), else x row T + r - (K-1).
@@ -50,6 +64,16 @@ ATLAS_KERNEL void conv1d_silu(const float* x, const float* weight, float* state,
         const int w = T + r;
         state[(long)r * C + c] = w < K - 1 ? state[(long)w * C + c] : x[(long)(w - (K - 1)) * C + c];
     }
+}
+
+ATLAS_KERNEL void conv1d_silu(const float* x, const float* weight, float* state, float* out, int T, int C, int K) {
+    conv1d_silu_channel(x, weight, state, out, T, C, K, blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y);
+}
+
+// x, out [rows, C]. Launch: grid (ceil(C / 256), 1, rows), block 256.
+ATLAS_KERNEL void conv1d_silu_rows(const float* x, const float* weight, DnStates states, float* out, int C, int K) {
+    const long row = (long)blockIdx.z * C;
+    conv1d_silu_channel(x + row, weight, states.conv[blockIdx.z], out + row, 1, C, K, blockIdx.x * blockDim.x + threadIdx.x, 0);
 }
 
 // gated_delta_rule: the recurrent form, token by token (decode, and prefill correctly if slowly).
@@ -88,14 +112,15 @@ __device__ __forceinline__ float column_sum(float v) {
     return v;
 }
 
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
-    gated_delta_rule(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
-                     float* state, float* out, int T, int key_heads, int value_heads, int dk, int dv) {
+// Value head h, columns col_block * DN_COLS ..+DN_COLS.
+__device__ __forceinline__ void gated_delta_rule_cols(const float* qkv, const float* a, const float* b, const float* a_log,
+                                                      const float* dt_bias, float* state, float* out, int T,
+                                                      int key_heads, int value_heads, int dk, int dv, int h, int col_block) {
     __shared__ float raw[2][2][DN_MAX_DK];        // [token parity][q, k][dk]
     __shared__ float squares[2][2][DN_MAX_WARPS];  // [token parity][q, k][warp]
-    const int h = blockIdx.x, tid = threadIdx.x, part = tid % DN_SPLIT;
+    const int tid = threadIdx.x, part = tid % DN_SPLIT;
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    const int j = blockIdx.y * DN_COLS + tid / DN_SPLIT;
+    const int j = col_block * DN_COLS + tid / DN_SPLIT;
     const bool has_col = j < dv;
     const int kh = h / (value_heads / key_heads);
     const long width = 2L * key_heads * dk + (long)value_heads * dv;
@@ -191,6 +216,24 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
         const int i = part + m * DN_SPLIT;
         if (has_col && i < dk) S[(long)i * dv + j] = s[m];
     }
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
+    gated_delta_rule(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
+                     float* state, float* out, int T, int key_heads, int value_heads, int dk, int dv) {
+    gated_delta_rule_cols(qkv, a, b, a_log, dt_bias, state, out, T, key_heads, value_heads, dk, dv, blockIdx.x, blockIdx.y);
+}
+
+// qkv [rows, 2·Hk·dk + Hv·dv], a and b [rows, Hv], out [rows, Hv·dv].
+// Launch: grid (Hv, ceil(dv / DN_COLS), rows), block DN_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
+    gated_delta_rule_rows(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
+                          DnStates states, float* out, int key_heads, int value_heads, int dk, int dv) {
+    const int r = blockIdx.z;
+    const long width = 2L * key_heads * dk + (long)value_heads * dv;
+    gated_delta_rule_cols(qkv + r * width, a + (long)r * value_heads, b + (long)r * value_heads, a_log, dt_bias,
+                          states.delta[r], out + (long)r * value_heads * dv, 1, key_heads, value_heads, dk, dv,
+                          blockIdx.x, blockIdx.y);
 }
 
 // ---- The chunked form (prefill): the same rule over chunks of DC_CHUNK tokens, the work inside a

@@ -914,6 +914,63 @@ fn gated_delta_rule_matches_the_cpu_and_carries_its_state() {
     assert!(matches!(err, atlas::Error::Unsupported(_)) && err.to_string().contains("256"), "{err}");
 }
 
+/// The recurrence of a batched decode step (`delta_net_rows`: one token of each of several
+/// sequences, their states scattered) gives each sequence the bits of its own conv1d and delta
+/// rule launched alone, outputs and states, and matches the CPU's rows; 11 sequences take two
+/// launches of at most 8.
+#[test]
+fn delta_net_rows_give_each_sequence_its_own_bits() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(24);
+    let bits = |x: &GpuTensor| g.to_host(x).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for ((hk, hv, dk, dv), n) in [((2, 4, 128, 128), 8), ((2, 4, 16, 32), 3), ((1, 3, 48, 200), 11), ((2, 6, 20, 24), 1)] {
+        let shape = DeltaShape { key_heads: hk, value_heads: hv, key_dim: dk, value_dim: dv };
+        let (ch, k) = (shape.qkv_width(), 4);
+        let a_log = pair(&g, 1, hv, (0..hv).map(|_| (0.05 + 1.95 * rng.next_f64() as f32).ln()).collect());
+        let dt_bias = pair(&g, 1, hv, random(&mut rng, hv, 1.0));
+        let conv1d = pair(&g, 1, ch * k, random(&mut rng, ch * k, 0.6));
+        let what = format!("delta_net_rows Hk={hk} Hv={hv} dk={dk} dv={dv}, {n} sequences");
+        let qkv = pair(&g, n, ch, random(&mut rng, n * ch, 2.0));
+        let (a, b) = (pair(&g, n, hv, random(&mut rng, n * hv, 4.0)), pair(&g, n, hv, random(&mut rng, n * hv, 4.0)));
+        let conv0: Vec<Vec<f32>> = (0..n).map(|_| random(&mut rng, (k - 1) * ch, 1.0)).collect();
+        let delta0: Vec<Vec<f32>> = (0..n).map(|_| random(&mut rng, shape.state_len(), 0.5)).collect();
+
+        // Each sequence alone: the single-sequence launches, from its own copy of the states.
+        let mut alone = Vec::new();
+        for i in 0..n {
+            let mut conv = g.upload_f32(1, (k - 1) * ch, &conv0[i]).unwrap();
+            let mut delta = g.upload_f32(1, shape.state_len(), &delta0[i]).unwrap();
+            let row = |x: &Pair| g.rows(&x.gpu, i, 1).unwrap();
+            let x = g.conv1d_silu(&row(&qkv), &conv1d.gpu, &mut conv).unwrap();
+            let o = g.gated_delta_rule(&x, &row(&a), &row(&b), &a_log.gpu, &dt_bias.gpu, &mut delta, shape).unwrap();
+            alone.push((bits(&o), bits(&conv), bits(&delta)));
+        }
+
+        let mut gpu_states: Vec<(GpuTensor, GpuTensor)> = (0..n)
+            .map(|i| (g.upload_f32(1, (k - 1) * ch, &conv0[i]).unwrap(), g.upload_f32(1, shape.state_len(), &delta0[i]).unwrap()))
+            .collect();
+        let mut cpu_states: Vec<(CpuTensor, CpuTensor)> =
+            (0..n).map(|i| (CpuTensor::new(1, (k - 1) * ch, conv0[i].clone()), CpuTensor::new(1, shape.state_len(), delta0[i].clone()))).collect();
+        poison(&g, n, hv * dv);
+        let weights = atlas::backend::DeltaWeights { conv1d: &conv1d.gpu, a_log: &a_log.gpu, dt_bias: &dt_bias.gpu };
+        let mut refs: Vec<(&mut GpuTensor, &mut GpuTensor)> = gpu_states.iter_mut().map(|(c, d)| (c, d)).collect();
+        let got = g.delta_net_rows(&qkv.gpu, &a.gpu, &b.gpu, weights, &mut refs, shape).unwrap();
+        let weights = atlas::backend::DeltaWeights { conv1d: &conv1d.cpu, a_log: &a_log.cpu, dt_bias: &dt_bias.cpu };
+        let mut refs: Vec<(&mut CpuTensor, &mut CpuTensor)> = cpu_states.iter_mut().map(|(c, d)| (c, d)).collect();
+        let want = c.delta_net_rows(&qkv.cpu, &a.cpu, &b.cpu, weights, &mut refs, shape).unwrap();
+        check(&g, &got, &want, 1e-4, &what);
+
+        let out = bits(&got);
+        for (i, (o, conv, delta)) in alone.iter().enumerate() {
+            assert_eq!(&out[i * hv * dv..(i + 1) * hv * dv], &o[..], "{what}: sequence {i}'s output differs from its launch alone");
+            assert_eq!(&bits(&gpu_states[i].0), conv, "{what}: sequence {i}'s conv state");
+            assert_eq!(&bits(&gpu_states[i].1), delta, "{what}: sequence {i}'s delta state");
+            check_state(&g, &gpu_states[i].1, &cpu_states[i].1, 1e-4, &format!("{what}, sequence {i}"));
+        }
+    }
+}
+
 #[test]
 fn gated_rms_norm_and_sigmoid_gates_match_the_cpu() {
     let Some(g) = gpu() else { return };

@@ -102,6 +102,22 @@ impl DeltaShape {
     }
 }
 
+/// The weights of a Gated DeltaNet layer that its recurrence reads: the conv1d taps `[1, C·K]`,
+/// A_log and dt_bias `[Hv]`.
+pub struct DeltaWeights<'a, B: Backend + ?Sized> {
+    pub conv1d: &'a B::Tensor,
+    pub a_log: &'a B::Tensor,
+    pub dt_bias: &'a B::Tensor,
+}
+
+impl<B: Backend + ?Sized> Clone for DeltaWeights<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend + ?Sized> Copy for DeltaWeights<'_, B> {}
+
 /// What a network may need beyond the dense decoder, asked of a backend before a model is loaded
 /// onto it, so that a backend without it is refused at load (and `--device auto` moves on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -383,6 +399,29 @@ pub trait Backend: Send + Sync {
         _shape: DeltaShape,
     ) -> Result<Self::Tensor> {
         Err(crate::Error::Unsupported(format!("the gated delta rule on {}", self.describe())))
+    }
+
+    /// [`Backend::conv1d_silu`] then [`Backend::gated_delta_rule`] for one token of each of
+    /// several sequences: row i of `qkv`, `a` and `b` is the token of the sequence whose conv and
+    /// delta-rule states are `states[i]`. Each row gets the bits it gets alone. Backends run the
+    /// rows in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net_rows(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        weights: DeltaWeights<'_, Self>,
+        states: &mut [(&mut Self::Tensor, &mut Self::Tensor)],
+        shape: DeltaShape,
+    ) -> Result<Self::Tensor> {
+        let mut outs = Vec::with_capacity(states.len());
+        for (i, (conv, state)) in states.iter_mut().enumerate() {
+            let x = self.conv1d_silu(&self.rows(qkv, i, 1)?, weights.conv1d, conv)?;
+            let (a, b) = (self.rows(a, i, 1)?, self.rows(b, i, 1)?);
+            outs.push(self.gated_delta_rule(&x, &a, &b, weights.a_log, weights.dt_bias, state, shape)?);
+        }
+        self.stack_rows(&outs)
     }
 
     /// RMSNorm over groups of `weight.len()` values of `x`, times `weight`, times `silu(z)`.

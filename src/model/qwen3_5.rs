@@ -21,7 +21,7 @@ use super::qwen3::inv_freq;
 use super::weights::{LoadProgress, WeightSource};
 use super::qwen3_5_mtp::Mtp;
 use super::{per_seq, rotary_attention, DraftHead, LayerCache, LogitRows, Network, Seq};
-use crate::backend::{AttentionShape, Backend, DeltaShape, QkNorms, Rope};
+use crate::backend::{AttentionShape, Backend, DeltaShape, DeltaWeights, QkNorms, Rope};
 use crate::{Error, Result};
 
 struct GatedDeltaNet<B: Backend> {
@@ -124,6 +124,27 @@ fn load_delta_net<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig, 
         dt_bias: ld.vector(&format!("{p}.dt_bias"), vh)?,
         norm: ld.vector(&format!("{p}.norm.weight"), hy.value_head_dim)?,
         out_proj: ld.matrix(&format!("{p}.out_proj.weight"), h, vd)?,
+    })
+}
+
+/// A layer's conv1d and gated delta rule for each sequence of a step, from its own states of
+/// `layer`: a batch of one token each in one pass of the backend.
+fn delta_net<B: Backend>(
+    b: &B,
+    [qkv, a, beta]: [B::Tensor; 3],
+    weights: DeltaWeights<'_, B>,
+    seqs: &mut [Seq<'_, B>],
+    layer: usize,
+    shape: DeltaShape,
+) -> Result<B::Tensor> {
+    if seqs.len() > 1 && seqs.iter().all(|s| s.len == 1) {
+        let mut states = seqs.iter_mut().map(|s| s.cache[layer].recurrent()).collect::<Result<Vec<_>>>()?;
+        return b.delta_net_rows(&qkv, &a, &beta, weights, &mut states, shape);
+    }
+    per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| {
+        let (conv_state, state) = seq.cache[layer].recurrent()?;
+        let qkv = b.conv1d_silu(&qkv, weights.conv1d, conv_state)?; // [T, C]
+        b.gated_delta_rule(&qkv, &a, &beta, weights.a_log, weights.dt_bias, state, shape)
     })
 }
 
@@ -252,12 +273,8 @@ impl<B: Backend> DecoderLayer<B> {
             Mixer::DeltaNet(net) => {
                 let projs = [&net.in_proj_qkv, &net.in_proj_z, &net.in_proj_b, &net.in_proj_a].map(|w| crate::backend::Proj { weight: w, bias: None });
                 let [qkv, z, beta, a] = b.norm_linears(x, norm, eps, projs)?; // [T, C], [T, Hv·dv], [T, Hv] twice
-                // [T, Hv·dv], each sequence from its own states
-                let o = per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| {
-                    let (conv_state, state) = seq.cache[l].recurrent()?;
-                    let qkv = b.conv1d_silu(&qkv, &net.conv1d, conv_state)?; // [T, C]
-                    b.gated_delta_rule(&qkv, &a, &beta, &net.a_log, &net.dt_bias, state, model.delta_shape())
-                })?;
+                let weights = DeltaWeights { conv1d: &net.conv1d, a_log: &net.a_log, dt_bias: &net.dt_bias };
+                let o = delta_net(b, [qkv, a, beta], weights, seqs, l, model.delta_shape())?; // [T, Hv·dv]
                 let o = b.gated_rms_norm(&o, &z, &net.norm, eps)?;
                 b.linear_add(&o, &net.out_proj, None, x)?; // x += out_proj(o)
             }

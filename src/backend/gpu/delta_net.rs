@@ -7,9 +7,9 @@
 //! step is recorded) or downloads: they record into decode graphs as they are. The recurrent
 //! states are updated in place, in buffers that outlive the recording.
 
-use super::runtime::Arg;
+use super::runtime::{Arg, DnStates, DN_SEQS};
 use super::{blocks, same_shape, GpuBackend, GpuTensor, BLOCK};
-use crate::backend::DeltaShape;
+use crate::backend::{DeltaShape, DeltaWeights};
 use crate::{Error, Result};
 
 /// Launch shapes fixed by kernels/delta_net.hip (its #defines).
@@ -43,20 +43,57 @@ fn int(what: &str, n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| Error::Unsupported(format!("{what} of {n} on the GPU (the kernels take 32-bit sizes)")))
 }
 
+/// The conv1d's taps K for `channels` channels, checked against its weight `[C·K]` and a state
+/// `[(K−1)·C]`.
+fn conv_taps(channels: usize, weight: &GpuTensor, state: &GpuTensor) -> Result<usize> {
+    let n_weight = weight.rows * weight.cols;
+    let k = n_weight.checked_div(channels).unwrap_or(0);
+    if k == 0 || n_weight != channels * k || state.rows * state.cols != (k - 1) * channels {
+        return Err(Error::InvalidArgument(format!(
+            "conv1d: {channels} channels, weight of {n_weight} values, state of {}",
+            state.rows * state.cols
+        )));
+    }
+    if k > CONV_MAX_K {
+        return Err(Error::Unsupported(format!("conv1d kernels of {k} taps on the GPU (at most {CONV_MAX_K})")));
+    }
+    Ok(k)
+}
+
+/// Checks the gated delta rule's inputs (qkv, a, b, a_log, dt_bias) and states against `shape`
+/// and the kernels' limits; returns the blocks of DN_COLS columns a value head takes.
+fn check_delta_rule(inputs: [&GpuTensor; 5], states: &[&GpuTensor], shape: DeltaShape) -> Result<usize> {
+    let [qkv, a, b, a_log, dt_bias] = inputs;
+    let DeltaShape { key_heads, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
+    let t = qkv.rows;
+    let vectors_ok = [a_log, dt_bias].iter().all(|v| v.rows * v.cols == hv);
+    if qkv.cols != shape.qkv_width()
+        || [a, b].iter().any(|g| (g.rows, g.cols) != (t, hv))
+        || !vectors_ok
+        || states.iter().any(|s| s.rows * s.cols != shape.state_len())
+        || key_heads == 0
+        || hv % key_heads != 0
+    {
+        return Err(Error::InvalidArgument(format!("gated_delta_rule: inputs disagree with {shape:?}")));
+    }
+    if dk > DN_MAX_DK {
+        return Err(Error::Unsupported(format!(
+            "Gated DeltaNet key heads of {dk} values on the GPU (at most {DN_MAX_DK}; value heads of any size)"
+        )));
+    }
+    let col_blocks = dv.div_ceil(DN_COLS);
+    if col_blocks > MAX_GRID_YZ {
+        return Err(Error::Unsupported(format!("Gated DeltaNet value heads of {dv} values on the GPU")));
+    }
+    int("gated delta rule input", t * qkv.cols)?;
+    int("gated delta rule state", shape.state_len())?;
+    Ok(col_blocks)
+}
+
 impl GpuBackend {
     pub(super) fn launch_conv1d_silu(&self, x: &GpuTensor, weight: &GpuTensor, state: &mut GpuTensor) -> Result<GpuTensor> {
         let (t, c) = (x.rows, x.cols);
-        let n_weight = weight.rows * weight.cols;
-        let k = n_weight.checked_div(c).unwrap_or(0);
-        if k == 0 || n_weight != c * k || state.rows * state.cols != (k - 1) * c {
-            return Err(Error::InvalidArgument(format!(
-                "conv1d: {c} channels, weight of {n_weight} values, state of {}",
-                state.rows * state.cols
-            )));
-        }
-        if k > CONV_MAX_K {
-            return Err(Error::Unsupported(format!("conv1d kernels of {k} taps on the GPU (at most {CONV_MAX_K})")));
-        }
+        let k = conv_taps(c, weight, state)?;
         let chunks = t.div_ceil(CONV_CHUNK);
         if chunks > MAX_GRID_YZ {
             return Err(Error::Unsupported(format!("conv1d over {t} tokens in one call on the GPU")));
@@ -92,27 +129,7 @@ impl GpuBackend {
     ) -> Result<GpuTensor> {
         let DeltaShape { key_heads, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
         let t = qkv.rows;
-        let vectors_ok = [a_log, dt_bias].iter().all(|v| v.rows * v.cols == hv);
-        if qkv.cols != shape.qkv_width()
-            || [a, b].iter().any(|g| (g.rows, g.cols) != (t, hv))
-            || !vectors_ok
-            || state.rows * state.cols != shape.state_len()
-            || key_heads == 0
-            || hv % key_heads != 0
-        {
-            return Err(Error::InvalidArgument(format!("gated_delta_rule: inputs disagree with {shape:?}")));
-        }
-        if dk > DN_MAX_DK {
-            return Err(Error::Unsupported(format!(
-                "Gated DeltaNet key heads of {dk} values on the GPU (at most {DN_MAX_DK}; value heads of any size)"
-            )));
-        }
-        let col_blocks = dv.div_ceil(DN_COLS);
-        if col_blocks > MAX_GRID_YZ {
-            return Err(Error::Unsupported(format!("Gated DeltaNet value heads of {dv} values on the GPU")));
-        }
-        int("gated delta rule input", t * qkv.cols)?;
-        int("gated delta rule state", shape.state_len())?;
+        let col_blocks = check_delta_rule([qkv, a, b, a_log, dt_bias], &[state], shape)?;
         let out = self.tensor(t, hv * dv)?;
         if t == 0 || hv == 0 || dv == 0 {
             return Ok(out);
@@ -139,6 +156,54 @@ impl GpuBackend {
             Arg::I32(dv as i32),
         ];
         self.rt.launch("gated_delta_rule", [hv as u32, col_blocks as u32, 1], [DN_THREADS, 1, 1], 0, &args)?;
+        Ok(out)
+    }
+
+    /// conv1d_silu_rows then gated_delta_rule_rows (kernels/delta_net.hip): one token of each
+    /// sequence, `states[i]` = (conv, delta) of the sequence of row i, DN_SEQS sequences a launch.
+    pub(super) fn launch_delta_net_rows(
+        &self,
+        qkv: &GpuTensor,
+        a: &GpuTensor,
+        b: &GpuTensor,
+        weights: DeltaWeights<'_, GpuBackend>,
+        states: &mut [(&mut GpuTensor, &mut GpuTensor)],
+        shape: DeltaShape,
+    ) -> Result<GpuTensor> {
+        let DeltaShape { key_heads, value_heads: hv, key_dim: dk, value_dim: dv } = shape;
+        let (n, c) = (states.len(), qkv.cols);
+        if qkv.rows != n {
+            return Err(Error::InvalidArgument(format!("delta_net_rows: {} rows for {n} sequences", qkv.rows)));
+        }
+        let mut k = 0;
+        for (conv, _) in states.iter() {
+            k = conv_taps(c, weights.conv1d, conv)?;
+        }
+        let deltas: Vec<&GpuTensor> = states.iter().map(|(_, delta)| &**delta).collect();
+        let col_blocks = check_delta_rule([qkv, a, b, weights.a_log, weights.dt_bias], &deltas, shape)?;
+        let x = self.tensor(n, c)?;
+        let out = self.tensor(n, hv * dv)?;
+        if n == 0 || hv == 0 || dv == 0 {
+            return Ok(out);
+        }
+        let f32s = std::mem::size_of::<f32>() as u64;
+        let at = |t: &GpuTensor, row: usize| Arg::Ptr(t.buf.ptr + (row * t.cols) as u64 * f32s);
+        for (chunk, group) in states.chunks(DN_SEQS).enumerate() {
+            let (first, rows) = (chunk * DN_SEQS, group.len() as u32);
+            let mut dn = DnStates::default();
+            for (i, (conv, delta)) in group.iter().enumerate() {
+                (dn.conv[i], dn.delta[i]) = (conv.buf.ptr, delta.buf.ptr);
+            }
+            let conv = [at(qkv, first), Arg::Ptr(weights.conv1d.buf.ptr), Arg::DnStates(dn), at(&x, first), Arg::I32(c as i32), Arg::I32(k as i32)];
+            self.rt.launch("conv1d_silu_rows", [blocks(c, BLOCK), 1, rows], [BLOCK, 1, 1], 0, &conv)?;
+            let rule = [
+                vec![at(&x, first), at(a, first), at(b, first), Arg::Ptr(weights.a_log.buf.ptr), Arg::Ptr(weights.dt_bias.buf.ptr)],
+                vec![Arg::DnStates(dn), at(&out, first)],
+                [key_heads, hv, dk, dv].map(|v| Arg::I32(v as i32)).to_vec(),
+            ]
+            .concat();
+            self.rt.launch("gated_delta_rule_rows", [hv as u32, col_blocks as u32, rows], [DN_THREADS, 1, 1], 0, &rule)?;
+        }
         Ok(out)
     }
 

@@ -1648,6 +1648,18 @@ impl Backend for GpuBackend {
         self.launch_gated_delta_rule(qkv, a, b, a_log, dt_bias, state, shape)
     }
 
+    fn delta_net_rows(
+        &self,
+        qkv: &GpuTensor,
+        a: &GpuTensor,
+        b: &GpuTensor,
+        weights: super::DeltaWeights<'_, Self>,
+        states: &mut [(&mut GpuTensor, &mut GpuTensor)],
+        shape: super::DeltaShape,
+    ) -> Result<GpuTensor> {
+        self.launch_delta_net_rows(qkv, a, b, weights, states, shape)
+    }
+
     fn gated_rms_norm(&self, x: &GpuTensor, z: &GpuTensor, weight: &GpuTensor, eps: f32) -> Result<GpuTensor> {
         self.launch_gated_rms_norm(x, z, weight, eps)
     }

@@ -18,6 +18,7 @@ pub enum Arg {
     U64(u64),
     F32(f32),
     KvRows(KvRows),
+    DnStates(DnStates),
 }
 
 /// Sequences a decode-shaped step's rows belong to, as kernels/common/kv_rows.h's struct of the
@@ -47,9 +48,20 @@ impl KvRows {
     }
 }
 
+/// The recurrent states of the sequences of a batched decode step, as kernels/delta_net.hip's
+/// struct of the same name: each sequence's conv1d state, then its delta-rule state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DnStates {
+    pub conv: [u64; DN_SEQS],
+    pub delta: [u64; DN_SEQS],
+}
+
+/// DN_SEQS in kernels/delta_net.hip: sequences a launch of its _rows kernels takes.
+pub const DN_SEQS: usize = 8;
+
 /// The arguments as the launch APIs want them, one pointer per parameter to its bytes: a scalar
 /// in an 8-byte word (the runtime copies as many bytes as the kernel's parameter has, so 4-byte
-/// ones read the low half, little-endian), a `KvRows` in as many words as its struct.
+/// ones read the low half, little-endian), a `KvRows` or `DnStates` in as many words as its struct.
 pub struct ArgWords {
     words: Vec<u64>,
     starts: Vec<usize>,
@@ -67,6 +79,7 @@ impl ArgWords {
                 Arg::I32(v) => words.push(u64::from(v as u32)),
                 Arg::F32(v) => words.push(u64::from(v.to_bits())),
                 Arg::KvRows(ref rows) => rows.push_words(&mut words),
+                Arg::DnStates(ref states) => words.extend(states.conv.iter().chain(&states.delta)),
             }
         }
         ArgWords { words, starts }
@@ -361,6 +374,16 @@ mod tests {
         let pointers = words.pointers();
         assert_eq!(pointers[1] as usize - pointers[0] as usize, 8);
         assert_eq!(pointers[2] as usize - pointers[1] as usize, 29 * 8);
+    }
+
+    /// A `DnStates` takes the bytes of kernels/delta_net.hip's struct: 8 conv-state pointers,
+    /// then 8 delta-rule-state pointers, 128 bytes.
+    #[test]
+    fn dn_states_are_laid_out_as_the_kernels_struct() {
+        let states = DnStates { conv: std::array::from_fn(|i| 0x1000 + i as u64), delta: std::array::from_fn(|i| 0x2000 + i as u64) };
+        let words = ArgWords::new(&[Arg::DnStates(states), Arg::I32(7)]);
+        assert_eq!(words.starts, [0, 2 * DN_SEQS]);
+        assert_eq!((words.words[0], words.words[7], words.words[8], words.words[15]), (0x1000, 0x1007, 0x2000, 0x2007));
     }
 
     /// Without a cache directory, compiled kernels are not cached, least of all relative to the
