@@ -1125,12 +1125,17 @@ __device__ __forceinline__ void pk_scaled_pairs(unsigned int levels, unsigned in
 }
 #endif
 
-// out[i]: row threadIdx.x (0-15) of tile i times the input (valid in threads 0-15 after the call).
-template <int F, int TILES>
+// out[i]: row threadIdx.x % 16 of tile i times token threadIdx.x / 16's input, for `tokens`
+// (1..TOKENS) rows of x [tokens, K] (valid in threads below 16 * tokens after the call). On matrix
+// cores a token is a column of the mma (lane g's column holds token g), so each token gets the bits
+// it gets alone; elsewhere each lane sums its own values, token by token. Several tokens take the
+// register pipeline (no weight slots), and without a norm read their inputs in place (the values
+// staging would give), as fp8_rows_dot does.
+template <int F, int TILES, int TOKENS>
 __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], const float* x, const float* norm_w, float eps,
-                                            int K, float (&out)[TILES]) {
+                                            int K, int tokens, float (&out)[TILES]) {
     static_assert(TILES == 1, "the packed kernels take one tile");
-    __shared__ float sums[PK_UNITS][TILES][16];
+    __shared__ float sums[PK_UNITS][TILES][16][TOKENS];
     __shared__ PkPlanes plane_table[16];
     __shared__ long run_table[16];
     extern __shared__ __attribute__((aligned(16))) unsigned char pk_dynamic[];
@@ -1140,7 +1145,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     // Both pipelines' state (a uniform choice by shape); the one not taken is left unused.
     PkStage<F, TILES> st[PK_STAGES];
     auto fetch = [&](PkStage<F, TILES>& stage, int step) { stage.fetch(tiles, step, steps, runs, t); };
-    const bool async_path = pk_async_fits<F>(K);
+    const bool async_path = TOKENS == 1 && pk_async_fits<F>(K);
     const PkAsync<F> async = {pk_dynamic + fp8_padded(K, PK_STEP) * 2, plane_table, run_table, runs};
     const int loads = (runs + 63) / 64;
     pdl_launch_dependents();
@@ -1161,12 +1166,39 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
         pipeline_fill(st, unit, PK_UNITS, fetch);
     }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    float scales[1];
-    const uint2* xs = (const uint2*)fp8_gemv_input<1>(x, norm_w, eps, K, PK_STEP, 1, scales);
-    const float scale = scales[0];
+    const bool in_place = TOKENS > 1 && !norm_w;
+    float scale[TOKENS];
+    const uint2* xs = nullptr;
+    if (in_place) {
+#pragma unroll
+        for (int n = 0; n < TOKENS; n++) scale[n] = 1 << FP8_X_SHIFT;
+    } else {
+        xs = (const uint2*)fp8_gemv_input<TOKENS>(x, norm_w, eps, K, PK_STEP, tokens, scale);
+    }
+    const int stride = fp8_padded(K, PK_STEP) / 4;  // uint2 per token
+    // Inputs 4w.. and 16 + 4w.. of run r of token n, staged or in place (zeros past K).
+    auto input = [&](int n, int r, int w, uint2& lo, uint2& hi) {
+        if (!in_place) {
+            lo = xs[n * stride + r * 8 + w];
+            hi = xs[n * stride + r * 8 + 4 + w];
+        } else if (r < runs) {
+            const float* at = x + (long)n * K + r * 32 + 4 * w;
+            const float4 a = *(const float4*)at, b = *(const float4*)(at + 16);
+            lo = make_uint2(fp8_x_pair(a.x, a.y), fp8_x_pair(a.z, a.w));
+            hi = make_uint2(fp8_x_pair(b.x, b.y), fp8_x_pair(b.z, b.w));
+        } else {
+            lo = hi = make_uint2(0u, 0u);
+        }
+    };
 
+#ifdef PK_MMA
     // The lower and the upper values' products in two accumulators: two chains of dependent mma.
+    // Fragments: [row g, column 2t], [g, 2t + 1], [g + 8, 2t], [g + 8, 2t + 1]; column n is token n.
     float acc[TILES][4] = {}, acc_hi[TILES][4] = {};
+    const int token = g < tokens ? g : 0;
+#else
+    float acc[TILES][TOKENS][2] = {};  // [tile][token][row g, g + 8]: this lane's sums
+#endif
     auto consume = [&](const PkStage<F, TILES>& st, int step) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -1188,7 +1220,6 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
 #endif
 #pragma unroll
                 for (int w = 0; w < 4; w++) {
-                    const uint2 xl = xs[r * 8 + w], xh = xs[r * 8 + 4 + w];  // inputs 4w.. and 16 + 4w..
                     unsigned int lo[2], hi[2];
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
@@ -1197,6 +1228,8 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
                         hi[h] = pk_levels<F>(c, f, true, table);
                     }
 #ifdef PK_MMA
+                    uint2 xl, xh;  // inputs 4w.. and 16 + 4w.. of this lane's token
+                    input(token, r, w, xl, xh);
                     unsigned int a[2][2], b[2][2];  // [row g, g + 8][pair]
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
@@ -1206,16 +1239,26 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
                     f16_rows_mma(acc[i], a[0][0], a[1][0], a[0][1], a[1][1], xl.x, xl.y);
                     f16_rows_mma(acc_hi[i], b[0][0], b[1][0], b[0][1], b[1][1], xh.x, xh.y);
 #else
-                    const float xlv[4] = {f16_to_f32(xl.x & 0xffffu), f16_to_f32(xl.x >> 16), f16_to_f32(xl.y & 0xffffu), f16_to_f32(xl.y >> 16)};
-                    const float xhv[4] = {f16_to_f32(xh.x & 0xffffu), f16_to_f32(xh.x >> 16), f16_to_f32(xh.y & 0xffffu), f16_to_f32(xh.y >> 16)};
+                    float vl[2][4], vh[2][4];
 #pragma unroll
                     for (int h = 0; h < 2; h++)
 #pragma unroll
                         for (int k = 0; k < 4; k++) {
-                            const float vl = sc[h].s_lo * (float)((int)((lo[h] >> (8 * k)) & 0xffu) - 128) - sc[h].o_lo;
-                            const float vh = sc[h].s_hi * (float)((int)((hi[h] >> (8 * k)) & 0xffu) - 128) - sc[h].o_hi;
-                            acc[i][2 * h] += vl * xlv[k] + vh * xhv[k];
+                            vl[h][k] = sc[h].s_lo * (float)((int)((lo[h] >> (8 * k)) & 0xffu) - 128) - sc[h].o_lo;
+                            vh[h][k] = sc[h].s_hi * (float)((int)((hi[h] >> (8 * k)) & 0xffu) - 128) - sc[h].o_hi;
                         }
+#pragma unroll
+                    for (int n = 0; n < TOKENS; n++) {
+                        if (n >= tokens) break;
+                        uint2 xl, xh;
+                        input(n, r, w, xl, xh);
+                        const float xlv[4] = {f16_to_f32(xl.x & 0xffffu), f16_to_f32(xl.x >> 16), f16_to_f32(xl.y & 0xffffu), f16_to_f32(xl.y >> 16)};
+                        const float xhv[4] = {f16_to_f32(xh.x & 0xffffu), f16_to_f32(xh.x >> 16), f16_to_f32(xh.y & 0xffffu), f16_to_f32(xh.y >> 16)};
+#pragma unroll
+                        for (int h = 0; h < 2; h++)
+#pragma unroll
+                            for (int k = 0; k < 4; k++) acc[i][n][h] += vl[h][k] * xlv[k] + vh[h][k] * xhv[k];
+                    }
 #endif
                 }
             }
@@ -1238,30 +1281,47 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     }
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
-        const float row_g = fp8_quad_total(acc[i][0] + acc_hi[i][0]), row_g8 = fp8_quad_total(acc[i][2] + acc_hi[i][2]);
-        if (t == 0) {
-            sums[unit][i][g] = row_g;
-            sums[unit][i][g + 8] = row_g8;
+#ifdef PK_MMA
+#pragma unroll
+        for (int col = 0; col < (TOKENS > 1 ? 2 : 1); col++) {
+            const int n = 2 * t + col;
+            if (n < tokens && n < TOKENS) {
+                sums[unit][i][g][n] = acc[i][col] + acc_hi[i][col];
+                sums[unit][i][g + 8][n] = acc[i][2 + col] + acc_hi[i][2 + col];
+            }
         }
+#else
+#pragma unroll
+        for (int n = 0; n < TOKENS; n++) {
+            const float row_g = fp8_quad_total(acc[i][n][0]), row_g8 = fp8_quad_total(acc[i][n][1]);
+            if (t == 0 && n < tokens) {
+                sums[unit][i][g][n] = row_g;
+                sums[unit][i][g + 8][n] = row_g8;
+            }
+        }
+#endif
     }
     __syncthreads();
-    if (threadIdx.x >= 16) return;
+    const int r = threadIdx.x % 16, n = threadIdx.x / 16;
+    if (n >= tokens) return;
+    const float s = fp8_token_scale<TOKENS>(scale, n);
 #pragma unroll
     for (int i = 0; i < TILES; i++) {
         float total = 0.0f;
-        for (int u = 0; u < PK_UNITS; u++) total += sums[u][i][threadIdx.x];
-        out[i] = total * scale;
+        for (int u = 0; u < PK_UNITS; u++) total += sums[u][i][r][n];
+        out[i] = total * s;
     }
 }
 
 // As gemv1_fp8 (up to four projections of one input, the residual added to the first) over
-// packed weights; the scale pointers are unused.
-template <int F>
+// packed weights, for `tokens` rows of x (y0..y3 and the residual [tokens, n_i]); the scale
+// pointers are unused.
+template <int F, int TOKENS>
 __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
                                              const unsigned char* w3, const float* b0, const float* b1, const float* b2,
                                              const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
                                              int n2, int n3, const float* x, const float* norm_w, float eps,
-                                             const float* residual, int K) {
+                                             const float* residual, int K, int tokens) {
     const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
     auto locate = [&](int r, int& seg, int& n) {
         gemv1_segment(blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0, n0, n1, n2, seg, n);
@@ -1274,56 +1334,74 @@ __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsi
         tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, n0, n1, n2, n3), K, n);
     }
     float out[1];
-    pk_rows_dot<F, 1>(tile, x, norm_w, eps, K, out);
-    if (threadIdx.x >= 16 || blockIdx.x * 16 + threadIdx.x >= total) return;
+    pk_rows_dot<F, 1, TOKENS>(tile, x, norm_w, eps, K, tokens, out);
+    const int r = threadIdx.x % 16, token = threadIdx.x / 16;
+    if (token >= tokens || blockIdx.x * 16 + r >= total) return;
     int sg, row;
-    locate(threadIdx.x, sg, row);
+    locate(r, sg, row);
     const float* bias = gemv1_pick(sg, b0, b1, b2, b3);
     float* y = gemv1_pick(sg, y0, y1, y2, y3);
     const int rows = gemv1_pick(sg, n0, n1, n2, n3);
+    const long at = (long)token * rows + row;
     const float factor = pk_factor<F>(pk_planes<F>(gemv1_pick(sg, w0, w1, w2, w3), rows, K), rows, K);
-    y[row] = out[0] * factor + (bias ? bias[row] : 0.0f) + (sg == 0 && residual ? residual[row] : 0.0f);
+    y[at] = out[0] * factor + (bias ? bias[row] : 0.0f) + (sg == 0 && residual ? residual[at] : 0.0f);
 }
 
 // As gemv1_gate_up_fp8 over packed weights, but a block's tile is 8 gate rows (as rows g) and the
 // same 8 up rows (as rows g + 8): one tile's registers, twice the blocks. Launch: grid ceil(N / 8).
-template <int F>
+template <int F, int TOKENS>
 __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, const unsigned char* u, const float* gate_bias,
                                                      const float* up_bias, const float* x, const float* norm_w, float eps,
-                                                     float* out, int N, int K) {
+                                                     float* out, int N, int K, int tokens) {
     const int lane = threadIdx.x % 32, first = blockIdx.x * 8;
     const int n_lane = first + lane / 4 < N ? first + lane / 4 : 0;
     PkRows<F> tile[1];
     tile[0].set(0, g, N, K, n_lane);
     tile[0].set(1, u, N, K, n_lane);
     float sum[1];
-    pk_rows_dot<F, 1>(tile, x, norm_w, eps, K, sum);
-    // Threads 0-7 hold the gate sums of rows first + 0..7, threads 8-15 the up sums.
-    if (threadIdx.x >= 32) return;
+    pk_rows_dot<F, 1, TOKENS>(tile, x, norm_w, eps, K, tokens, sum);
+    // Thread r + 16 n holds token n's sum of tile row r: the gate rows first + 0..7 at r < 8, their
+    // up rows at r >= 8. Whole warps stay for the shuffle.
+    if (threadIdx.x >= 32 * ((tokens + 1) / 2)) return;
     const float up_sum = shfl(sum[0], (threadIdx.x + 8) % 32);
-    const int n = first + threadIdx.x;
-    if (threadIdx.x >= 8 || n >= N) return;
+    const int r = threadIdx.x % 16, token = threadIdx.x / 16, n = first + r;
+    if (r >= 8 || token >= tokens || n >= N) return;
     const PkPlanes pg = pk_planes<F>(g, N, K), pu = pk_planes<F>(u, N, K);
     const float gv = sum[0] * pk_factor<F>(pg, N, K) + (gate_bias ? gate_bias[n] : 0.0f);
     const float uv = up_sum * pk_factor<F>(pu, N, K) + (up_bias ? up_bias[n] : 0.0f);
-    out[n] = gv / (1.0f + expf(-gv)) * uv;
+    out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
 // The kernels of one format: gemv1_<name> and gemv1_gate_up_<name>, with gemv1_fp8's and
-// gemv1_gate_up_fp8's signatures (scale pointers unused).
+// gemv1_gate_up_fp8's signatures (scale pointers unused), and their _tokens forms (up to
+// GEMV1_TOKENS rows of input, the count last), as gemv1_fp8_tokens.
 #define PK_GEMV_KERNELS(name, F)                                                                                       \
     ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2) gemv1_##name(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,           \
                                    const unsigned char* w3, const float*, const float*, const float*, const float*,     \
                                    const float* b0, const float* b1, const float* b2, const float* b3, float* y0,      \
                                    float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,    \
                                    const float* norm_w, float eps, const float* residual, int K) {                     \
-        gemv1_packed<F>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K);   \
+        gemv1_packed<F, 1>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K, 1); \
+    }                                                                                                                  \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2) gemv1_##name##_tokens(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, \
+                                   const unsigned char* w3, const float*, const float*, const float*, const float*,     \
+                                   const float* b0, const float* b1, const float* b2, const float* b3, float* y0,      \
+                                   float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,    \
+                                   const float* norm_w, float eps, const float* residual, int K, int tokens) {         \
+        gemv1_packed<F, GEMV1_TOKENS>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,  \
+                                      residual, K, tokens);                                                            \
     }                                                                                                                  \
     ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                            \
         gemv1_gate_up_##name(const unsigned char* g, const unsigned char* u, const float*, const float*,               \
                              const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,        \
                              float eps, float* out, int N, int K) {                                                    \
-        gemv1_gate_up_packed<F>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K);                                  \
+        gemv1_gate_up_packed<F, 1>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);                            \
+    }                                                                                                                  \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                            \
+        gemv1_gate_up_##name##_tokens(const unsigned char* g, const unsigned char* u, const float*, const float*,      \
+                                      const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, \
+                                      float eps, float* out, int N, int K, int tokens) {                               \
+        gemv1_gate_up_packed<F, GEMV1_TOKENS>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);            \
     }
 PK_GEMV_KERNELS(q8_0, PK_Q8_0)
 PK_GEMV_KERNELS(q4_0, PK_Q4_0)

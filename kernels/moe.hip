@@ -233,8 +233,8 @@ __device__ __forceinline__ void moe_gate_up_pk(const unsigned char* gate, const 
     const int s = blockIdx.y;
     const bool shared = s == top_k;
     const long long at = shared ? 0 : ids[s] * stride;
-    gemv1_gate_up_packed<F>(shared ? shared_g : gate + at, shared ? shared_u : up + at, nullptr, nullptr, x, norm_w, eps,
-                            act + (long)s * I, I, H);
+    gemv1_gate_up_packed<F, 1>(shared ? shared_g : gate + at, shared ? shared_u : up + at, nullptr, nullptr, x, norm_w, eps,
+                               act + (long)s * I, I, H, 1);
 }
 
 template <int F>
@@ -244,8 +244,8 @@ __device__ __forceinline__ void moe_down_pk(const unsigned char* down, const int
     pdl_wait();
     const int s = blockIdx.y;
     const unsigned char* d = s == top_k ? shared_d : down + ids[s] * stride;
-    gemv1_packed<F>(d, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, y + (long)s * H, nullptr, nullptr,
-                    nullptr, H, 0, 0, 0, act + (long)s * I, nullptr, 0.0f, nullptr, I);
+    gemv1_packed<F, 1>(d, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, y + (long)s * H, nullptr, nullptr,
+                       nullptr, H, 0, 0, 0, act + (long)s * I, nullptr, 0.0f, nullptr, I, 1);
 }
 
 #define MOE_PK_KERNELS(name, F)                                                                                     \

@@ -1759,35 +1759,74 @@ fn decode_kernels_give_each_of_several_tokens_its_own_bits() {
         let (wc, wg) = matrix_pair(&mut rng, fp8, n, k);
         let (uc, ug) = matrix_pair(&mut rng, fp8, n, k);
         let (wc, wg, uc, ug) = (c.upload_weight(wc).unwrap(), g.upload_weight(wg).unwrap(), c.upload_weight(uc).unwrap(), g.upload_weight(ug).unwrap());
-        let norm = pair(&g, 1, k, random(&mut rng, k, 1.0));
-        for t in 1..=8 {
-            let x = pair(&g, t, k, random(&mut rng, t * k, 2.0));
-            let res = pair(&g, t, n, random(&mut rng, t * n, 1.0));
-            let proj = |w| Proj { weight: w, bias: None };
-            // [T, n] each: x·Wᵀ + residual, norm(x)·Wᵀ, silu(norm(x)·Gᵀ) * norm(x)·Uᵀ.
-            let run = |x: &GpuTensor, res: &GpuTensor| -> [Vec<f32>; 3] {
-                let mut y = g.save_tensor(res).unwrap();
-                g.linear_add(x, &wg, None, &mut y).unwrap();
-                let [normed] = g.norm_linears(x, &norm.gpu, 1e-6, [proj(&wg)]).unwrap();
-                let gated = g.norm_silu_gate_up(x, &norm.gpu, 1e-6, proj(&wg), proj(&ug)).unwrap();
-                [g.to_host(&y).unwrap(), g.to_host(&normed).unwrap(), g.to_host(&gated).unwrap()]
-            };
-            let all = run(&x.gpu, &res.gpu);
-            for row in 0..t {
-                let one_x = g.upload_f32(1, k, &x.cpu.data[row * k..(row + 1) * k]).unwrap();
-                let one_res = g.upload_f32(1, n, &res.cpu.data[row * n..(row + 1) * n]).unwrap();
-                let alone = run(&one_x, &one_res);
-                for (what, (a, b)) in ["linear + residual", "norm + linear", "norm + gate/up"].iter().zip(all.iter().zip(&alone)) {
-                    assert_eq!(&a[row * n..(row + 1) * n], &b[..], "{format} {what}: [{n}, {k}], token {row} of {t}");
-                }
+        several_tokens_get_their_own_bits(&g, &c, &mut rng, [(&wc, &wg), (&uc, &ug)], 1..=8, tol, format);
+    }
+}
+
+/// For each token count of `counts`: `t` tokens through a plain projection with a residual, the
+/// fused RMSNorm + projection and the fused norm + gated MLP half (weights W and U, each on the
+/// CPU and the GPU with the same values) give each token the bits it gets alone, and match the CPU
+/// within `tol`.
+fn several_tokens_get_their_own_bits(
+    g: &GpuBackend,
+    c: &CpuBackend,
+    rng: &mut Rng,
+    [(wc, wg), (uc, ug)]: [(&<CpuBackend as Backend>::Weight, &<GpuBackend as Backend>::Weight); 2],
+    counts: impl IntoIterator<Item = usize>,
+    tol: f32,
+    format: &str,
+) {
+    let (n, k) = (wc.rows(), wc.cols());
+    let norm = pair(g, 1, k, random(rng, k, 1.0));
+    for t in counts {
+        let x = pair(g, t, k, random(rng, t * k, 2.0));
+        let res = pair(g, t, n, random(rng, t * n, 1.0));
+        let proj = |w| Proj { weight: w, bias: None };
+        // [T, n] each: x·Wᵀ + residual, norm(x)·Wᵀ, silu(norm(x)·Gᵀ) * norm(x)·Uᵀ.
+        let run = |x: &GpuTensor, res: &GpuTensor| -> [Vec<f32>; 3] {
+            let mut y = g.save_tensor(res).unwrap();
+            g.linear_add(x, wg, None, &mut y).unwrap();
+            let [normed] = g.norm_linears(x, &norm.gpu, 1e-6, [proj(wg)]).unwrap();
+            let gated = g.norm_silu_gate_up(x, &norm.gpu, 1e-6, proj(wg), proj(ug)).unwrap();
+            [g.to_host(&y).unwrap(), g.to_host(&normed).unwrap(), g.to_host(&gated).unwrap()]
+        };
+        let all = run(&x.gpu, &res.gpu);
+        for row in 0..t {
+            let one_x = g.upload_f32(1, k, &x.cpu.data[row * k..(row + 1) * k]).unwrap();
+            let one_res = g.upload_f32(1, n, &res.cpu.data[row * n..(row + 1) * n]).unwrap();
+            let alone = run(&one_x, &one_res);
+            for (what, (a, b)) in ["linear + residual", "norm + linear", "norm + gate/up"].iter().zip(all.iter().zip(&alone)) {
+                assert_eq!(&a[row * n..(row + 1) * n], &b[..], "{format} {what}: [{n}, {k}], token {row} of {t}");
             }
-            let mut want = res.cpu.clone();
-            c.linear_add(&x.cpu, &wc, None, &mut want).unwrap();
-            let got = g.upload_f32(t, n, &all[0]).unwrap();
-            check(&g, &got, &want, tol, &format!("{format} linear [{n}, {k}] x {t} tokens"));
-            let want = c.norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, Proj { weight: &wc, bias: None }, Proj { weight: &uc, bias: None }).unwrap();
-            let got = g.upload_f32(t, n, &all[2]).unwrap();
-            check(&g, &got, &want, tol, &format!("{format} norm + gate/up [{n}, {k}] x {t} tokens"));
+        }
+        let mut want = res.cpu.clone();
+        c.linear_add(&x.cpu, wc, None, &mut want).unwrap();
+        let got = g.upload_f32(t, n, &all[0]).unwrap();
+        check(g, &got, &want, tol, &format!("{format} linear [{n}, {k}] x {t} tokens"));
+        let want = c.norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, Proj { weight: wc, bias: None }, Proj { weight: uc, bias: None }).unwrap();
+        let got = g.upload_f32(t, n, &all[2]).unwrap();
+        check(g, &got, &want, tol, &format!("{format} norm + gate/up [{n}, {k}] x {t} tokens"));
+    }
+}
+
+/// Block formats (GGUF, NVFP4) too: their one-token kernels' `_tokens` forms take up to 8 tokens
+/// (on matrix cores one per column of the mma; several inputs without a norm read in place), each
+/// token with the bits it gets alone, within the packed GEMVs' 4e-3 of the CPU.
+#[test]
+fn packed_decode_kernels_give_each_of_several_tokens_its_own_bits() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(26);
+    g.plan_sequences(8);
+    let formats: Vec<Option<GgmlFormat>> = GgmlFormat::ALL.iter().copied().map(Some).chain([None]).collect();
+    for (i, format) in formats.into_iter().enumerate() {
+        let name = format.map_or("nvfp4 (safetensors)".to_string(), |f| f.to_string());
+        for (n, k) in [(40, 512), (24, 2304)] {
+            let seed = 500 + 10 * i as u64 + n as u64;
+            let (wc, wg) = block_matrix_twice(format, n, k, seed);
+            let (uc, ug) = block_matrix_twice(format, n, k, seed + 1);
+            let (wc, wg, uc, ug) = (c.upload_weight(wc).unwrap(), g.upload_weight(wg).unwrap(), c.upload_weight(uc).unwrap(), g.upload_weight(ug).unwrap());
+            several_tokens_get_their_own_bits(&g, &c, &mut rng, [(&wc, &wg), (&uc, &ug)], [1, 2, 5, 8], 4e-3, &name);
         }
     }
 }
@@ -1820,7 +1859,7 @@ fn a_step_of_a_few_tokens_gives_each_the_logits_of_single_steps() {
 /// Several engines of one model on as many threads, their decode steps batched on the GPU: every
 /// request (greedy, sampled on the device, top-k) answers token for token as it does alone, on the fixtures (dense, FP8, hybrid, hybrid MoE, a Q8_0 GGUF) and on real-sized bf16,
 /// FP8 and Q4_K weights (Qwen3-0.6B's shape, random), where the decode kernels take several
-/// tokens per launch (packed formats: one launch per token).
+/// tokens per launch (packed formats too).
 #[test]
 fn batched_decoding_on_the_gpu_answers_as_alone() {
     if gpu().is_none() {

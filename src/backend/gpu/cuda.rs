@@ -51,7 +51,7 @@ unsafe impl Send for CudaRuntime {}
 // SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 112] = [
+pub(crate) const KERNELS: [&str; 140] = [
     "silu_mul", "to_bf16", "add_inplace", "copy_spans", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
     "gemv1_bf16_tokens", "gemv1_gate_up_bf16_tokens", "gemv1_fp8_tokens", "gemv1_fp8_long", "gemv1_gate_up_fp8_tokens", "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
@@ -66,6 +66,13 @@ pub(crate) const KERNELS: [&str; 112] = [
     "gemv1_gate_up_q8_0", "gemv1_gate_up_q4_0", "gemv1_gate_up_q4_1", "gemv1_gate_up_q4_k", "gemv1_gate_up_q5_k",
     "gemv1_gate_up_q6_k", "gemv1_gate_up_iq4_nl", "gemv1_gate_up_iq4_xs", "gemv1_gate_up_mxfp4", "gemv1_gate_up_nvfp4",
     "gemv1_gate_up_rocmfp4", "gemv1_gate_up_rocmfp4_fast", "gemv1_gate_up_q5_0", "gemv1_gate_up_q5_1",
+    "gemv1_q8_0_tokens", "gemv1_q4_0_tokens", "gemv1_q4_1_tokens", "gemv1_q4_k_tokens", "gemv1_q5_k_tokens", "gemv1_q6_k_tokens",
+    "gemv1_iq4_nl_tokens", "gemv1_iq4_xs_tokens", "gemv1_mxfp4_tokens", "gemv1_nvfp4_tokens", "gemv1_rocmfp4_tokens",
+    "gemv1_rocmfp4_fast_tokens", "gemv1_q5_0_tokens", "gemv1_q5_1_tokens", "gemv1_gate_up_q8_0_tokens",
+    "gemv1_gate_up_q4_0_tokens", "gemv1_gate_up_q4_1_tokens", "gemv1_gate_up_q4_k_tokens", "gemv1_gate_up_q5_k_tokens",
+    "gemv1_gate_up_q6_k_tokens", "gemv1_gate_up_iq4_nl_tokens", "gemv1_gate_up_iq4_xs_tokens", "gemv1_gate_up_mxfp4_tokens",
+    "gemv1_gate_up_nvfp4_tokens", "gemv1_gate_up_rocmfp4_tokens", "gemv1_gate_up_rocmfp4_fast_tokens",
+    "gemv1_gate_up_q5_0_tokens", "gemv1_gate_up_q5_1_tokens",
     "moe_gemm_packed",
     "moe_gate_up_q8_0", "moe_gate_up_q4_0", "moe_gate_up_q4_1", "moe_gate_up_q4_k", "moe_gate_up_q5_k",
     "moe_gate_up_q6_k", "moe_gate_up_iq4_nl", "moe_gate_up_iq4_xs", "moe_gate_up_mxfp4", "moe_gate_up_nvfp4",

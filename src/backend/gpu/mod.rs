@@ -157,7 +157,7 @@ impl GpuWeight {
     /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8, reading it in
     /// place; fp8 stages it as f16 in whole 128-column blocks (fp8_rows_dot; several tokens of
     /// one tile without a norm read it in place), packed formats in whole
-    /// 256-column steps (pk_rows_dot). `tiles`: 16-row tiles a block takes (gemv1 1, gate/up 2):
+    /// 256-column steps (pk_rows_dot; several tokens without a norm read it in place). `tiles`: 16-row tiles a block takes (gemv1 1, gate/up 2):
     /// the FP8 one-tile kernel has weight slots where async copies exist, so it is the largest
     /// launch (what the fits checks measure). `several`: the
     /// several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
@@ -179,39 +179,39 @@ impl GpuWeight {
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
             WeightFormat::Packed(format) => {
-                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], packed_gemv_shared(format, self.cols, dev.async_copy) as u32)
+                // Several tokens stage their inputs only for a norm (else read in place) and
+                // take no weight slots (pk_rows_dot).
+                let shared = match (several, normed) {
+                    (false, _) => packed_gemv_shared(format, self.cols, dev.async_copy),
+                    (true, true) => tokens * self.cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2,
+                    (true, false) => 0,
+                };
+                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
             }
         }
     }
 
     /// Whether the one-token kernels take `tokens` rows of input: whole 16-byte chunks per row
     /// (whole runs for packed formats, which every packed matrix has), and a staged input that fits
-    /// the shared memory (`max_shared` bytes per block). The bf16 and FP8 ones take up to
-    /// GEMV1_TOKENS tokens, each with the bits it gets alone (kernels/linear.hip), in launches of
-    /// `gemv1_group` tokens; packed formats as many, one launch per token.
+    /// the shared memory (`max_shared` bytes per block). They take up to GEMV1_TOKENS tokens,
+    /// each with the bits it gets alone (kernels/linear.hip), in launches of `gemv1_group` tokens.
     fn gemv1_fits(&self, normed: bool, dev: GemvDevice, tokens: usize) -> bool {
-        match self.format {
-            WeightFormat::Bf16 => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.cols.is_multiple_of(8) && self.gemv1_group(normed, dev, tokens) > 0
-            }
-            WeightFormat::Fp8 { .. } => (1..=GEMV1_TOKENS).contains(&tokens) && self.cols.is_multiple_of(16) && self.gemv1_group(normed, dev, tokens) > 0,
-            // Several tokens take the one-token kernel one by one: each gets its single-step bits.
-            WeightFormat::Packed(_) => {
-                (1..=GEMV1_TOKENS).contains(&tokens) && self.gemv1_launch(1, 1, normed, 1, false, dev).2 + FP8_GEMV_STATIC_SHARED <= dev.max_shared
-            }
-        }
+        let chunk = match self.format {
+            WeightFormat::Bf16 => 8,
+            WeightFormat::Fp8 { .. } => 16,
+            WeightFormat::Packed(_) => packed::RUN,
+        };
+        (1..=GEMV1_TOKENS).contains(&tokens) && self.cols.is_multiple_of(chunk) && self.gemv1_group(normed, dev, tokens) > 0
     }
 
     /// Tokens one launch of the one-token kernels takes for an input of `tokens` rows: one at a
     /// time for one (the one-token kernel), else as many as the shared memory stages, at most
-    /// GEMV1_TOKENS (the bf16 and FP8 `_tokens` kernels; 0 when even one does not fit; 1 for
-    /// packed formats).
+    /// GEMV1_TOKENS (the `_tokens` kernels; 0 when even one does not fit).
     fn gemv1_group(&self, normed: bool, dev: GemvDevice, tokens: usize) -> usize {
         // The kernels' static shared memory: one token's, several tokens'.
         let fixed = match self.format {
             WeightFormat::Bf16 if !dev.bf16_mma => [GEMV_STATIC_SHARED; 2],
-            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => [FP8_GEMV_STATIC_SHARED, FP8_GEMV1_STATIC_SHARED],
-            WeightFormat::Packed(_) => return 1,
+            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } | WeightFormat::Packed(_) => [FP8_GEMV_STATIC_SHARED, FP8_GEMV1_STATIC_SHARED],
         };
         // The same bound for one token as for several: an input takes the same kernels alone as
         // beside others.
@@ -235,9 +235,9 @@ impl GpuWeight {
             }
             _ => self.kernel(stem),
         };
-        match self.format {
-            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } if tokens > 1 => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
-            _ => (name, None),
+        match tokens {
+            1 => (name, None),
+            _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
     }
 }
@@ -391,8 +391,8 @@ const GEMV_STATIC_SHARED: u32 = 256;
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
 const FP8_GEMV_STATIC_SHARED: u32 = 1_700;
-/// gemv1_fp8_tokens and gemv1_gate_up_fp8_tokens, whose partial sums have room for GEMV1_TOKENS
-/// tokens.
+/// The several-token kernels (gemv1_fp8_tokens, gemv1_gate_up_fp8_tokens and the packed formats'
+/// `_tokens` kernels), whose partial sums have room for GEMV1_TOKENS tokens.
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
 /// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
 const GEMV1_TOKENS: usize = 8;
