@@ -92,6 +92,39 @@ fn seeds_reproduce_and_differ() {
     assert_ne!(a, sampled(&mut e, 12));
 }
 
+/// `n` choices: choice i is what a lone request with seed + i answers, the stream carries every
+/// choice's chunks under its index (and its own final chunk), usage counts the prompt once and all
+/// the completions. Greedy choices are all the same answer.
+#[test]
+fn several_choices_each_answer_as_their_own_request() {
+    let mut e = engine();
+    let lone = |e: &mut Engine, seed: u64| run(e, &request(json!({"temperature": 1.0, "seed": seed, "max_tokens": 12}))).0;
+    let want: Vec<Value> = (0..3).map(|i| lone(&mut e, 40 + i)).collect();
+    let req = request(json!({"temperature": 1.0, "seed": 40, "max_tokens": 12, "n": 3, "stream": true, "stream_options": {"include_usage": true}}));
+    let (resp, chunks) = run(&mut e, &req);
+    let choices = resp["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, (got, lone)) in choices.iter().zip(&want).enumerate() {
+        assert_eq!(got["index"], i);
+        assert_eq!(got["message"], lone["choices"][0]["message"], "choice {i}");
+        assert_eq!(got["finish_reason"], lone["choices"][0]["finish_reason"], "choice {i}");
+        let mine: Vec<Value> = chunks.iter().filter(|c| c["choices"].get(0).is_some_and(|ch| ch["index"] == i)).cloned().collect();
+        let (streamed, finish) = assemble(&mine);
+        assert_eq!(streamed["content"], got["message"]["content"].as_str().unwrap_or(""), "choice {i} streamed");
+        assert_eq!(finish.as_deref(), got["finish_reason"].as_str());
+        assert!(mine.last().unwrap()["timings"]["predicted_n"].as_u64().is_some(), "choice {i}: its final chunk has its timings");
+    }
+    assert_ne!(choices[0]["message"], choices[1]["message"]);
+    let completion: u64 = want.iter().map(|w| w["usage"]["completion_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(resp["usage"]["completion_tokens"], completion);
+    assert_eq!(resp["usage"]["prompt_tokens"], want[0]["usage"]["prompt_tokens"]);
+    assert_eq!(resp["timings"]["predicted_n"], completion);
+    assert_eq!(chunks.last().unwrap()["usage"], resp["usage"]);
+
+    let greedy = run(&mut e, &request(json!({"n": 2, "max_tokens": 8}))).0;
+    assert_eq!(greedy["choices"][0]["message"], greedy["choices"][1]["message"]);
+}
+
 #[test]
 fn cancel_and_errors_leave_the_model_usable() {
     let mut e = engine();

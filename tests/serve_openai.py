@@ -270,13 +270,13 @@ def tool_choice_required():
 @test
 def bad_requests_are_400():
     cases = [
-        (dict(n=3), "unsupported"),
+        (dict(n=17), "invalid_request"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "invalid_request"),
         (dict(temperature="hot"), "invalid_request"),
         (dict(tool_choice="required"), "invalid_request"),  # without tools
         (dict(max_tokens=100000), "context_length_exceeded"),
         (dict(max_tokens=100000, stream=True), "context_length_exceeded"),
-        (dict(n=3, stream=True), "unsupported"),
+        (dict(n=0, stream=True), "invalid_request"),
     ]
     for extra, code in cases:
         kwargs = dict(model=MODEL, messages=HELLO)
@@ -292,6 +292,21 @@ def bad_requests_are_400():
     assert status == 400, (status, text)
     err = json.loads(text)["error"]
     assert err["type"] == "invalid_request_error" and "JSON" in err["message"], err
+
+
+@test
+def several_choices():
+    kwargs = dict(model=MODEL, messages=HELLO, temperature=1.0, seed=21, max_tokens=12)
+    lone = [client.chat.completions.create(**dict(kwargs, seed=21 + i)).choices[0].message.content for i in range(3)]
+    r = client.chat.completions.create(n=3, **kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2], r
+    assert [c.message.content for c in r.choices] == lone, (r, lone)
+    # Streamed, each choice's deltas come under its index and add up to its answer.
+    texts = {}
+    for c in client.chat.completions.create(n=3, stream=True, **kwargs):
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    assert [texts[i] for i in range(3)] == lone, (texts, lone)
 
 
 @test
@@ -325,6 +340,10 @@ def text_completions():
     assert all(len(s.tokens) == 1 for s in streamed), streamed
     assert [t for s in streamed for t in s.tokens] == lp.tokens, (streamed, lp)
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset, (streamed, lp)
+    # Several choices, each under its index, as the same request with seed + index alone.
+    two = client.completions.create(model=MODEL, prompt="The sea is", temperature=1.0, seed=8, max_tokens=6, n=2)
+    alone = client.completions.create(model=MODEL, prompt="The sea is", temperature=1.0, seed=9, max_tokens=6)
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[1].text == alone.choices[0].text, (two, alone)
     # A JSON schema holds here too.
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
     r = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=60, temperature=1.0, seed=4,

@@ -151,8 +151,9 @@ pub fn prepare_completion(front: &Frontend, request: CompletionRequest) -> Resul
     Ok(PreparedCompletion { request, model, prompt, prompt_text })
 }
 
-/// Runs one prepared text completion: with `stream: true` each `text_completion` chunk goes to
-/// `on_chunk`; the whole answer is returned.
+/// Runs one prepared text completion: its `n` choices one after the other (as chat completions
+/// run theirs); with `stream: true` each `text_completion` chunk goes to `on_chunk`; the whole
+/// answer is returned.
 pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chunk: ChunkSink) -> Result<Value> {
     let PreparedCompletion { request, model, prompt, prompt_text } = prepared;
     let options = &request.options;
@@ -165,68 +166,70 @@ pub fn run_completion(engine: &mut Engine, prepared: PreparedCompletion, on_chun
         }
         Ok(())
     };
-    let piece = |text: &str| json!([{"text": text, "index": 0, "logprobs": null, "finish_reason": null}]);
-    let mut text = String::new();
-    if request.echo {
-        text.push_str(&prompt_text);
-        send(object(piece(&prompt_text)))?;
-    }
-    let gen = GenerateRequest {
-        prompt,
-        max_tokens: Some(options.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)),
-        sampling: sampling(engine.default_sampling(), &options.sampling),
-        stop: options.stop.clone(),
-        ignore_eos: false,
-        grammar: options.grammar.clone(),
-        logprobs: request.logprobs,
-    };
-    // Text and each token's log-probabilities stream as they come (a chunk of its own per token,
-    // its text_offset counted from the start of the answer); both callbacks share the stream.
     let tokenizer = request.logprobs.map(|_| engine.tokenizer().cloned()).transpose()?;
-    let start = if request.echo { prompt_text.len() } else { 0 };
-    let (send, failed, offset) = (RefCell::new(send), RefCell::new(None), RefCell::new(start));
-    let generation = engine.generate_with_logprobs(
-        &gen,
-        &mut |p| (send.borrow_mut())(object(piece(p))).map_err(|e| *failed.borrow_mut() = Some(e)).is_ok(),
-        &mut |lp| {
-            let Some(tok) = tokenizer.as_ref().filter(|_| options.stream) else { return true };
-            let mut at = offset.borrow_mut();
-            let chunk = legacy_logprobs(tok, std::slice::from_ref(lp), *at).and_then(|(entry, end)| {
-                *at = end;
-                (send.borrow_mut())(object(json!([{"text": "", "index": 0, "logprobs": entry, "finish_reason": null}])))
-            });
-            chunk.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
-        },
-    );
-    let mut send = send.into_inner();
-    let generation = match (generation, failed.into_inner()) {
-        (_, Some(e)) | (Err(e), None) => return Err(e),
-        (Ok(g), None) => g,
-    };
-    text.push_str(&generation.text);
-    let finish_reason = match generation.finish_reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    };
-    let logprobs = match &tokenizer {
-        Some(tok) => legacy_logprobs(tok, &generation.logprobs, start)?.0,
-        None => Value::Null,
-    };
-    let completion_tokens = generation.tokens.len();
-    let usage = json!({"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion_tokens,
-                       "total_tokens": generation.prompt_tokens + completion_tokens,
-                       "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}});
-    let timings = super::timings(&generation);
-    // Streamed, the log-probabilities went out token by token.
-    send(object(json!([{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason}])))?;
+    let mut choices = Vec::with_capacity(options.n);
+    let mut generations = Vec::with_capacity(options.n);
+    for index in 0..options.n {
+        let piece = |text: &str| object(json!([{"text": text, "index": index, "logprobs": null, "finish_reason": null}]));
+        let mut text = String::new();
+        if request.echo {
+            text.push_str(&prompt_text);
+            send(piece(&prompt_text))?;
+        }
+        let gen = GenerateRequest {
+            prompt: prompt.clone(),
+            max_tokens: Some(options.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)),
+            sampling: super::choice_sampling(sampling(engine.default_sampling(), &options.sampling), index),
+            stop: options.stop.clone(),
+            ignore_eos: false,
+            grammar: options.grammar.clone(),
+            logprobs: request.logprobs,
+        };
+        // Text and each token's log-probabilities stream as they come (a chunk of its own per
+        // token, its text_offset counted from the start of the answer); both callbacks share the
+        // stream.
+        let start = if request.echo { prompt_text.len() } else { 0 };
+        let (sender, failed, offset) = (RefCell::new(&mut send), RefCell::new(None), RefCell::new(start));
+        let generation = engine.generate_with_logprobs(
+            &gen,
+            &mut |p| (sender.borrow_mut())(piece(p)).map_err(|e| *failed.borrow_mut() = Some(e)).is_ok(),
+            &mut |lp| {
+                let Some(tok) = tokenizer.as_ref().filter(|_| options.stream) else { return true };
+                let mut at = offset.borrow_mut();
+                let chunk = legacy_logprobs(tok, std::slice::from_ref(lp), *at).and_then(|(entry, end)| {
+                    *at = end;
+                    (sender.borrow_mut())(object(json!([{"text": "", "index": index, "logprobs": entry, "finish_reason": null}])))
+                });
+                chunk.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
+            },
+        );
+        let generation = match (generation, failed.into_inner()) {
+            (_, Some(e)) | (Err(e), None) => return Err(e),
+            (Ok(g), None) => g,
+        };
+        text.push_str(&generation.text);
+        let finish_reason = match generation.finish_reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        };
+        let logprobs = match &tokenizer {
+            Some(tok) => legacy_logprobs(tok, &generation.logprobs, start)?.0,
+            None => Value::Null,
+        };
+        // Streamed, the log-probabilities went out token by token.
+        send(object(json!([{"text": "", "index": index, "logprobs": null, "finish_reason": finish_reason}])))?;
+        choices.push(json!({"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}));
+        generations.push(generation);
+    }
+    let usage = super::usage(&generations);
     if options.include_usage {
         let mut last = object(json!([]));
         last["usage"] = usage.clone();
         send(last)?;
     }
-    let mut answer = object(json!([{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]));
+    let mut answer = object(Value::Array(choices));
     answer["usage"] = usage;
-    answer["timings"] = timings;
+    answer["timings"] = super::timings(&generations);
     Ok(answer)
 }
 
@@ -282,7 +285,6 @@ mod tests {
             (json!({"prompt": "x", "logprobs": 6}), false),
             (json!({"prompt": ["a", "b"]}), true),
             (json!({"prompt": "x", "best_of": 3}), true),
-            (json!({"prompt": "x", "n": 2}), true),
             (json!({"prompt": "x", "echo": true, "logprobs": 1}), true),
         ] {
             let err = parse(req.clone()).unwrap_err();

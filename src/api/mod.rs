@@ -128,12 +128,12 @@ pub fn chat_completion(engine: &mut Engine, request: &ChatRequest, on_chunk: Chu
     run_chat(engine, prepared, on_chunk)
 }
 
-/// Runs one prepared chat completion. With `stream: true` in the request each chunk goes to
-/// `on_chunk` (the returned response is the same answer, whole). A cancelled request returns
+/// Runs one prepared chat completion: its `n` choices one after the other, the later ones from
+/// the prompt that the first left in the cache. With `stream: true` in the request each chunk goes
+/// to `on_chunk` (the returned response is the same answer, whole). A cancelled request returns
 /// Error::Cancelled.
 pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink) -> Result<Value> {
-    let PreparedChat { request, model, prompt, mut parser } = prepared;
-    let request = &request;
+    let PreparedChat { request, model, prompt, parser } = prepared;
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -145,40 +145,71 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
         enabled: request.stream,
         sink: on_chunk,
     };
-    let gen = GenerateRequest {
-        prompt,
-        max_tokens: request.max_tokens,
-        sampling: sampling(engine.default_sampling(), &request.sampling),
-        stop: request.stop.clone(),
-        ignore_eos: false,
-        grammar: request.grammar.clone(),
-        logprobs: request.logprobs,
-    };
+    let tokenizer = request.logprobs.map(|_| engine.frontend().tokenizer().cloned()).transpose()?;
+    let mut choices = Vec::with_capacity(request.n);
+    let mut generations = Vec::with_capacity(request.n);
+    for index in 0..request.n {
+        let gen = GenerateRequest {
+            prompt: prompt.clone(),
+            max_tokens: request.max_tokens,
+            sampling: choice_sampling(sampling(engine.default_sampling(), &request.sampling), index),
+            stop: request.stop.clone(),
+            ignore_eos: false,
+            grammar: request.grammar.clone(),
+            logprobs: request.logprobs,
+        };
+        let (choice, generation) = chat_choice(engine, &request, &gen, parser.clone(), tokenizer.as_ref(), &mut stream.at(index))?;
+        choices.push(choice);
+        generations.push(generation);
+    }
+    let usage = usage(&generations);
+    if request.include_usage {
+        stream.at(0).send_usage(&usage)?;
+    }
+    Ok(json!({
+        "id": stream.id,
+        "object": "chat.completion",
+        "created": stream.created,
+        "model": stream.model,
+        "choices": choices,
+        "usage": usage,
+        "timings": timings(&generations),
+    }))
+}
 
+/// One choice of a chat completion, streamed as choice `stream.index`: its entry of `choices`,
+/// and the generation it came from.
+fn chat_choice(
+    engine: &mut Engine,
+    request: &ChatRequest,
+    gen: &GenerateRequest,
+    mut parser: OutputParser,
+    tokenizer: Option<&Tokenizer>,
+    stream: &mut ChoiceStream<'_, '_>,
+) -> Result<(Value, crate::Generation)> {
     let mut answer = Answer::default();
     stream.send(json!({"role": "assistant", "content": ""}), None)?;
     // Text and log-probabilities both stream as they come: the two callbacks share the stream.
-    let tokenizer = request.logprobs.map(|_| engine.frontend().tokenizer().cloned()).transpose()?;
     let (stream_cell, failed) = (RefCell::new(stream), RefCell::new(None));
     let result = engine.generate_with_logprobs(
-        &gen,
+        gen,
         &mut |piece| {
             let deltas = parser.push(piece);
             let sent = answer.absorb(deltas, &mut stream_cell.borrow_mut(), request.parallel_tool_calls);
             sent.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
         },
         &mut |lp| {
-            let Some(tok) = &tokenizer else { return true };
+            let Some(tok) = tokenizer else { return true };
             let sent = logprob_entry(tok, lp).and_then(|e| stream_cell.borrow_mut().send_logprobs(&json!({"content": [e]})));
             sent.map_err(|e| *failed.borrow_mut() = Some(e)).is_ok()
         },
     );
-    let mut stream = stream_cell.into_inner();
+    let stream = stream_cell.into_inner();
     let generation = match (result, failed.into_inner()) {
         (_, Some(e)) | (Err(e), None) => return Err(e),
         (Ok(g), None) => g,
     };
-    answer.absorb(parser.finish(), &mut stream, request.parallel_tool_calls)?;
+    answer.absorb(parser.finish(), stream, request.parallel_tool_calls)?;
 
     let finish_reason = if !answer.tool_calls.is_empty() {
         "tool_calls"
@@ -188,25 +219,14 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
             FinishReason::Length => "length",
         }
     };
-    let predicted_n = generation.tokens.len();
-    let usage = json!({
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": predicted_n,
-        "total_tokens": generation.prompt_tokens + predicted_n,
-        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
-    });
-    let timings = timings(&generation);
-    let logprobs = match &tokenizer {
+    let logprobs = match tokenizer {
         Some(tok) => {
             let content = generation.logprobs.iter().map(|lp| logprob_entry(tok, lp)).collect::<Result<Vec<_>>>()?;
             Some(json!({ "content": content }))
         }
         None => None,
     };
-    stream.send_final(finish_reason, &timings)?;
-    if request.include_usage {
-        stream.send_usage(&usage)?;
-    }
+    stream.send_final(finish_reason, &timings(std::slice::from_ref(&generation)))?;
 
     let mut message = Map::new();
     message.insert("role".into(), json!("assistant"));
@@ -218,15 +238,29 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
     if !answer.tool_calls.is_empty() {
         message.insert("tool_calls".into(), Value::Array(answer.tool_calls.clone()));
     }
-    Ok(json!({
-        "id": stream.id,
-        "object": "chat.completion",
-        "created": stream.created,
-        "model": stream.model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-        "usage": usage,
-        "timings": timings,
-    }))
+    let choice = json!({"index": stream.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason});
+    Ok((choice, generation))
+}
+
+/// The sampling of choice `index` of a request: its own seed (`seed + index`) when one is given,
+/// so that the choices differ and each is reproducible.
+pub(crate) fn choice_sampling(mut params: SamplingParams, index: usize) -> SamplingParams {
+    params.seed = params.seed.map(|s| s.wrapping_add(index as u64));
+    params
+}
+
+/// OpenAI's `usage` of a request's choices: the prompt counted once (as is its reuse from the
+/// prefix cache, by the first choice), the completions of all.
+pub(crate) fn usage(generations: &[crate::Generation]) -> Value {
+    let prompt_tokens = generations.first().map_or(0, |g| g.prompt_tokens);
+    let cached_tokens = generations.first().map_or(0, |g| g.cached_tokens);
+    let completion_tokens: usize = generations.iter().map(|g| g.tokens.len()).sum();
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
 }
 
 /// `prefix` and 128 random bits in hex: the ids of responses (`chatcmpl-...`) and tool calls
@@ -274,25 +308,31 @@ fn logprob_entry(tok: &Tokenizer, t: &TokenLogprob) -> Result<Value> {
     Ok(e)
 }
 
-/// llama.cpp-style `timings`: what was reused (`cache_n`), prompt and generation speed, and
-/// speculative decoding's drafted and confirmed tokens when it ran.
-pub(crate) fn timings(generation: &crate::Generation) -> Value {
-    let prompt_n = generation.prompt_tokens - generation.cached_tokens;
-    let predicted_n = generation.tokens.len();
+/// llama.cpp-style `timings` of a request's choices (the work of all of them: prompt tokens read
+/// and reused, tokens generated, and the time each took): what was reused (`cache_n`), prompt and
+/// generation speed, and speculative decoding's drafted and confirmed tokens when it ran.
+pub(crate) fn timings(generations: &[crate::Generation]) -> Value {
+    let sum = |f: &dyn Fn(&crate::Generation) -> usize| generations.iter().map(f).sum::<usize>();
+    let sum_ms = |f: &dyn Fn(&crate::Generation) -> f64| generations.iter().map(f).sum::<f64>();
+    let cache_n = sum(&|g| g.cached_tokens);
+    let prompt_n = sum(&|g| g.prompt_tokens - g.cached_tokens);
+    let predicted_n = sum(&|g| g.tokens.len());
+    let (prompt_ms, decode_ms) = (sum_ms(&|g| g.prompt_ms), sum_ms(&|g| g.decode_ms));
     let mut t = json!({
-        "cache_n": generation.cached_tokens,
+        "cache_n": cache_n,
         "prompt_n": prompt_n,
-        "prompt_ms": generation.prompt_ms,
-        "prompt_per_token_ms": generation.prompt_ms / prompt_n.max(1) as f64,
-        "prompt_per_second": per_second(prompt_n, generation.prompt_ms),
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n.max(1) as f64,
+        "prompt_per_second": per_second(prompt_n, prompt_ms),
         "predicted_n": predicted_n,
-        "predicted_ms": generation.decode_ms,
-        "predicted_per_token_ms": generation.decode_ms / predicted_n.max(1) as f64,
-        "predicted_per_second": per_second(predicted_n, generation.decode_ms),
+        "predicted_ms": decode_ms,
+        "predicted_per_token_ms": decode_ms / predicted_n.max(1) as f64,
+        "predicted_per_second": per_second(predicted_n, decode_ms),
     });
-    if generation.draft_tokens > 0 {
-        t["draft_n"] = json!(generation.draft_tokens);
-        t["draft_n_accepted"] = json!(generation.draft_accepted);
+    let (drafted, accepted) = (sum(&|g| g.draft_tokens), sum(&|g| g.draft_accepted));
+    if drafted > 0 {
+        t["draft_n"] = json!(drafted);
+        t["draft_n_accepted"] = json!(accepted);
     }
     t
 }
@@ -344,7 +384,7 @@ struct Answer {
 }
 
 impl Answer {
-    fn absorb(&mut self, deltas: Vec<Delta>, stream: &mut Stream, parallel: bool) -> Result<()> {
+    fn absorb(&mut self, deltas: Vec<Delta>, stream: &mut ChoiceStream, parallel: bool) -> Result<()> {
         for d in deltas {
             match d {
                 Delta::Content(t) => {
@@ -381,7 +421,12 @@ struct Stream<'a> {
     sink: ChunkSink<'a>,
 }
 
-impl Stream<'_> {
+impl<'a> Stream<'a> {
+    /// The stream as choice `index` sends its chunks.
+    fn at<'s>(&'s mut self, index: usize) -> ChoiceStream<'s, 'a> {
+        ChoiceStream { stream: self, index }
+    }
+
     fn chunk(&self, choices: Value) -> Map<String, Value> {
         let mut m = Map::new();
         m.insert("id".into(), json!(self.id));
@@ -398,27 +443,40 @@ impl Stream<'_> {
         }
         Ok(())
     }
+}
+
+/// The chunks of one choice of a stream.
+struct ChoiceStream<'s, 'a> {
+    stream: &'s mut Stream<'a>,
+    index: usize,
+}
+
+impl ChoiceStream<'_, '_> {
+    fn emit(&mut self, choice: Value, extra: Option<(&str, &Value)>) -> Result<()> {
+        let mut c = self.stream.chunk(json!([choice]));
+        if let Some((key, value)) = extra {
+            c.insert(key.into(), value.clone());
+        }
+        self.stream.emit(c)
+    }
 
     fn send(&mut self, delta: Value, finish_reason: Option<&str>) -> Result<()> {
-        let c = self.chunk(json!([{"index": 0, "delta": delta, "finish_reason": finish_reason}]));
-        self.emit(c)
+        self.emit(json!({"index": self.index, "delta": delta, "finish_reason": finish_reason}), None)
     }
 
     /// A token's log-probabilities, in a chunk of their own as the token is chosen.
     fn send_logprobs(&mut self, logprobs: &Value) -> Result<()> {
-        let c = self.chunk(json!([{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": null}]));
-        self.emit(c)
+        self.emit(json!({"index": self.index, "delta": {}, "logprobs": logprobs, "finish_reason": null}), None)
     }
 
     fn send_final(&mut self, finish_reason: &str, timings: &Value) -> Result<()> {
-        let mut c = self.chunk(json!([{"index": 0, "delta": {}, "finish_reason": finish_reason}]));
-        c.insert("timings".into(), timings.clone());
-        self.emit(c)
+        self.emit(json!({"index": self.index, "delta": {}, "finish_reason": finish_reason}), Some(("timings", timings)))
     }
 
+    /// The request's usage, after every choice: a chunk without choices.
     fn send_usage(&mut self, usage: &Value) -> Result<()> {
-        let mut c = self.chunk(json!([]));
+        let mut c = self.stream.chunk(json!([]));
         c.insert("usage".into(), usage.clone());
-        self.emit(c)
+        self.stream.emit(c)
     }
 }

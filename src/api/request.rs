@@ -50,10 +50,16 @@ pub struct ChatRequest {
     pub grammar: Option<GrammarSpec>,
     /// `Some(n)` with `logprobs: true`: each token's log-probability and `top_logprobs` (n) alternatives.
     pub logprobs: Option<usize>,
+    /// Choices to generate for the one prompt (`n`), one after the other, each sampled on its
+    /// own: choice i with `seed + i` when a seed is given.
+    pub n: usize,
 }
 
 /// OpenAI's limit on `top_logprobs`.
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// The most choices (`n`) one request may ask for: they run one after the other on one sequence,
+/// so a larger `n` would hold the model for that many answers.
+pub const MAX_CHOICES: usize = 16;
 
 /// Keys accepted without effect: they never change the generated text.
 const INERT_KEYS: [&str; 5] = ["user", "metadata", "store", "service_tier", "prompt_cache_key"];
@@ -87,6 +93,7 @@ impl ChatRequest {
             model: None,
             grammar: None,
             logprobs: None,
+            n: 1,
         };
         let mut lark = None;
         let (mut want_logprobs, mut top_logprobs) = (false, None);
@@ -120,8 +127,10 @@ impl ChatRequest {
                 }
                 "reasoning_effort" => reasoning_effort = Some(v.as_str().ok_or_else(|| bad("reasoning_effort must be a string"))?),
                 "model" => req.model = Some(model_name(v)?),
-                "n" if v.as_u64() == Some(1) => {}
-                "n" => return Err(Error::Unsupported("n other than 1 (one choice per request)".into())),
+                "n" => match v.as_u64() {
+                    Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => req.n = n as usize,
+                    _ => return Err(bad(&format!("n must be an integer from 1 to {MAX_CHOICES}"))),
+                },
                 "logprobs" => want_logprobs = boolean(key, v)?,
                 "top_logprobs" => match v.as_u64() {
                     Some(n) if n as usize <= MAX_TOP_LOGPROBS => top_logprobs = Some(n as usize),
@@ -434,7 +443,7 @@ mod tests {
             "tools": tools(), "tool_choice": {"type": "function", "function": {"name": "f"}},
             "max_completion_tokens": 5, "temperature": 0.5, "top_k": -1, "stop": "END", "seed": 3,
             "stream": true, "stream_options": {"include_usage": true}, "reasoning_effort": "none",
-            "chat_template_kwargs": {"foo": 1}, "n": 1, "user": "u"}))
+            "chat_template_kwargs": {"foo": 1}, "n": 3, "user": "u"}))
         .unwrap();
         assert_eq!(r.messages[0], json!({"role": "system", "content": "a\nb"}));
         assert_eq!(r.messages[2]["tool_calls"][0]["function"]["arguments"], json!({"x": 1}));
@@ -446,13 +455,18 @@ mod tests {
         assert!(r.stream && r.include_usage);
         assert_eq!(r.template_kwargs["enable_thinking"], json!(false));
         assert_eq!(r.template_kwargs["foo"], json!(1));
+        assert_eq!(r.n, 3);
+        let m = json!([{"role": "user", "content": "hi"}]);
+        for n in [json!(0), json!(17), json!(1.5), json!("2")] {
+            let err = parse(json!({"messages": m, "n": n})).unwrap_err();
+            assert!(matches!(err, Error::InvalidRequest(_)) && err.to_string().contains("from 1 to 16"), "{n}: {err}");
+        }
     }
 
     #[test]
     fn output_changing_fields_we_do_not_support_are_refused() {
         let m = json!([{"role": "user", "content": "hi"}]);
         for (field, value) in [
-            ("n", json!(2)),
             ("modalities", json!(["text", "audio"])),
             ("frobnicate", json!(1)),
         ] {

@@ -49,6 +49,7 @@ enum Mode {
     ToolCall,
 }
 
+#[derive(Clone)]
 pub struct OutputParser {
     mode: Mode,
     pending: String,

@@ -83,8 +83,9 @@ pub trait LanguageModel: Send {
     fn slots(&self) -> usize {
         1
     }
-    /// Makes room for `n` sequences, each with a cache of the whole context (allocated now, so a
-    /// device that cannot hold them says so at load). Slot 0 keeps what it holds.
+    /// Makes room for `n` sequences, each with its own cache: keys and values in blocks of the
+    /// shared KV pool, taken as the sequence grows; recurrent states allocated now, so that a
+    /// device that cannot hold them says so at load. Slot 0 keeps what it holds.
     fn set_slots(&mut self, n: usize) -> Result<()> {
         if n == 1 {
             return Ok(());

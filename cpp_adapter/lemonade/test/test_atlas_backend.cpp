@@ -258,9 +258,9 @@ void test_server(const std::string& model_dir) {
     CHECK(telemetry.output_tokens >= 1 && telemetry.prompt_tokens > 0, "telemetry from the response");
 
     // Refusals come back as Lemonade error objects with the right status.
-    json two = user_request("hi", 4);
-    two["n"] = 2;
-    const json refused = server.chat_completion(two);
+    json audio = user_request("hi", 4);
+    audio["modalities"] = json::array({"text", "audio"});
+    const json refused = server.chat_completion(audio);
     CHECK(error_code(refused) == "unsupported" && refused["error"]["status_code"] == 400, refused.dump());
     const json too_long = server.chat_completion(user_request("hi", 100000));  // beyond ctx_size 512
     CHECK(error_code(too_long) == "context_length_exceeded" && too_long["error"]["status_code"] == 400, too_long.dump());
@@ -312,7 +312,7 @@ void test_server(const std::string& model_dir) {
     // Errors in the streaming path are one error frame, then done.
     FakeClient bad;
     json bad_request = user_request("hi", 4);
-    bad_request["n"] = 3;  // one choice per request: refused before anything is streamed
+    bad_request["n"] = 17;  // more choices than a request may ask for: refused before anything is streamed
     server.forward_streaming_request("/v1/chat/completions", bad_request.dump(), bad.sink, true, 0, nullptr);
     const auto bad_events = bad.events();
     CHECK(bad_events.size() == 1 && bad.done && contains(bad_events[0], "\"error\"") && !contains(bad.bytes, "[DONE]"),
