@@ -184,7 +184,9 @@ static void test_model(AtlasModel *m) {
     /* After a cancel and after errors the model answers exactly as before. */
     CHECK(chat(m, "{\"messages\":", NULL, NULL) == ATLAS_STATUS_INVALID_REQUEST, "malformed JSON");
     CHECK(chat(m, "{\"messages\":\"hi\"}", NULL, NULL) == ATLAS_STATUS_INVALID_REQUEST, "wrong type");
-    CHECK(chat(m, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":3}", NULL, NULL) == ATLAS_STATUS_UNSUPPORTED, "n=3");
+    CHECK(chat(m, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"modalities\":[\"audio\"]}", NULL, NULL) ==
+              ATLAS_STATUS_UNSUPPORTED, "audio output");
+    CHECK(chat(m, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":17}", NULL, NULL) == ATLAS_STATUS_INVALID_REQUEST, "n=17");
     CHECK(chat(m, "\xc3\x28", NULL, NULL) == ATLAS_STATUS_INVALID_ARGUMENT, "invalid UTF-8");
     CHECK(chat(m, NULL, NULL, NULL) == ATLAS_STATUS_INVALID_ARGUMENT, "NULL request");
     CHECK(p_chat(NULL, request(""), NULL, NULL, NULL, NULL) == ATLAS_STATUS_INVALID_ARGUMENT, "NULL model");
