@@ -164,7 +164,7 @@ pub fn run_chat(engine: &mut Engine, prepared: PreparedChat, on_chunk: ChunkSink
     }
     let usage = usage(&generations);
     if request.include_usage {
-        stream.at(0).send_usage(&usage)?;
+        stream.send_usage(&usage)?;
     }
     Ok(json!({
         "id": stream.id,
@@ -443,6 +443,13 @@ impl<'a> Stream<'a> {
         }
         Ok(())
     }
+
+    /// The request's usage, after every choice: a chunk without choices.
+    fn send_usage(&mut self, usage: &Value) -> Result<()> {
+        let mut c = self.chunk(json!([]));
+        c.insert("usage".into(), usage.clone());
+        self.emit(c)
+    }
 }
 
 /// The chunks of one choice of a stream.
@@ -473,10 +480,4 @@ impl ChoiceStream<'_, '_> {
         self.emit(json!({"index": self.index, "delta": {}, "finish_reason": finish_reason}), Some(("timings", timings)))
     }
 
-    /// The request's usage, after every choice: a chunk without choices.
-    fn send_usage(&mut self, usage: &Value) -> Result<()> {
-        let mut c = self.stream.chunk(json!([]));
-        c.insert("usage".into(), usage.clone());
-        self.stream.emit(c)
-    }
 }
