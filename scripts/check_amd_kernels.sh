@@ -20,9 +20,10 @@
 #     -O3 -std=c++17); every kernel name HipRuntime looks up must be in the code object. For
 #     every target.
 #   - each kernels/*.hip alone with -I kernels and <hip/hip_runtime.h> pre-included (the
-#     ahead-of-time hipcc route), for gfx1100 (wave32) and gfx90a (wave64).
-# For gfx1151 and gfx942 the runtime unit is compiled once more without __AMDGCN_WAVEFRONT_SIZE,
-# which ROCm 7.2's compiler no longer defines.
+#     ahead-of-time hipcc route), for gfx1100 (wave32) and gfx90a (wave64), through the front end
+#     (-fsyntax-only: every include, declaration and template instantiation, no code generation).
+# For gfx1151 and gfx942 the runtime unit is checked once more (front end) without
+# __AMDGCN_WAVEFRONT_SIZE, which ROCm 7.2's compiler no longer defines.
 # Any compile error fails the script. Outputs (code objects) go to $ATLAS_AMD_WORK
 # (default target/amd-kernels). Safe to run again: installed tools are reused.
 set -euo pipefail
@@ -140,20 +141,25 @@ mapfile -t kernel_names < <(sed -n '/const KERNELS: \[&str; [0-9]*\] = \[/,/\];/
 ((${#kernel_names[@]})) || die "no KERNELS list found in src/backend/gpu/cuda.rs"
 
 # --- 4. Compile ----------------------------------------------------------------------------------
-common=(-x hip --cuda-device-only --no-gpu-bundle-output -c -O3 -std=c++17)
+common=(-x hip --cuda-device-only -O3 -std=c++17)
+# A code object, or the front end alone.
+object=(--no-gpu-bundle-output -c)
+syntax=(-fsyntax-only)
 # hipRTC's pre-included header is HIP's device headers preprocessed with __HIPCC_RTC__ defined,
 # plus the warp functions (which HIP's headers skip under __HIPCC_RTC__).
 rtc=(-Wno-pragma-once-outside-header -D__HIPCC_RTC__ -include hip/hip_runtime.h -include hip/amd_detail/amd_warp_functions.h)
 aot=(-include hip/hip_runtime.h -I kernels)
-# ROCm 7.2's compiler no longer defines __AMDGCN_WAVEFRONT_SIZE: compile the runtime unit once more
-# without it (after HIP's own headers, which still use it in 5.2) for a wave32 and a wave64 target.
+# ROCm 7.2's compiler no longer defines __AMDGCN_WAVEFRONT_SIZE: check the runtime unit once more
+# without it (after HIP's own headers, which still use it in 5.2) for a wave32 and a wave64 target
+# (-fsyntax-only: the same front end without the code generation, which the full compile above
+# already did for the target).
 printf '#undef __AMDGCN_WAVEFRONT_SIZE\n#undef __AMDGCN_WAVEFRONT_SIZE__\n' >"$work/no_wave_macro.h"
 no_wave_targets=" gfx1151 gfx942 "
 aot_targets=" gfx1100 gfx90a "
 
 # compile TOOL TARGET: every translation unit for one target; prints one line, or the errors.
 compile() {
-    local tool=$1 arch=$2 out=$work/out/$2 f base
+    local tool=$1 arch=$2 out=$work/out/$2 f
     local -a cc
     rm -rf "$out"
     mkdir -p "$out"
@@ -162,10 +168,10 @@ compile() {
     else
         cc=(clang++-19 "--offload-arch=$arch" "--hip-path=$hip_prefix" "--rocm-device-lib-path=$devlibs19")
     fi
-    nice -n 19 "${cc[@]}" "${common[@]}" "${rtc[@]}" "$tu" -o "$out/atlas_kernels.co" ||
+    nice -n 19 "${cc[@]}" "${common[@]}" "${object[@]}" "${rtc[@]}" "$tu" -o "$out/atlas_kernels.co" ||
         die "$arch ($tool): the runtime translation unit does not compile"
     if [[ $no_wave_targets == *" $arch "* ]]; then
-        nice -n 19 "${cc[@]}" "${common[@]}" "${rtc[@]}" -include "$work/no_wave_macro.h" "$tu" -o "$out/atlas_kernels_rocm72.co" ||
+        nice -n 19 "${cc[@]}" "${common[@]}" "${syntax[@]}" "${rtc[@]}" -include "$work/no_wave_macro.h" "$tu" ||
             die "$arch ($tool): the runtime translation unit does not compile without __AMDGCN_WAVEFRONT_SIZE (ROCm >= 7.2)"
     fi
     local syms
@@ -173,13 +179,13 @@ compile() {
     for k in "${kernel_names[@]}"; do
         grep -qx "$k" <<<"$syms" || die "$arch ($tool): kernel $k is missing from the code object"
     done
-    # Each file alone shows it includes what it uses: one wave32 and one wave64 target say so (the
-    # runtime unit above, what actually runs, is compiled for every target).
+    # Each file alone shows it includes what it uses: one wave32 and one wave64 target say so, in
+    # the front end (-fsyntax-only; the runtime unit above, what actually runs, is compiled in full
+    # for every target).
     local files_note=""
     if [[ $aot_targets == *" $arch "* ]]; then
         for f in kernels/*.hip; do
-            base=$(basename "$f" .hip)
-            nice -n 19 "${cc[@]}" "${common[@]}" "${aot[@]}" "$f" -o "$out/$base.co" ||
+            nice -n 19 "${cc[@]}" "${common[@]}" "${syntax[@]}" "${aot[@]}" "$f" ||
                 die "$arch ($tool): $f does not compile"
         done
         files_note=" + $(ls kernels/*.hip | wc -l) files"
