@@ -375,6 +375,10 @@ impl LanguageModel for SlotModel {
         self.model()?.restore(pieces)
     }
 
+    fn keep_until(&mut self, end: usize) -> Result<()> {
+        self.model()?.keep_until(end)
+    }
+
     fn free_memory(&self) -> Option<usize> {
         self.shared.model().free_memory()
     }

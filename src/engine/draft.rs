@@ -164,8 +164,8 @@ mod tests {
     }
 
     /// A check with a wrong draft in the middle keeps the drafts before it and the model's own
-    /// choice after them; the state it leaves (a hybrid model's rolled back and run again) gives
-    /// the logits a fresh run of the same tokens gives.
+    /// choice after them; the state it leaves (a hybrid model's recurrences taken back into the
+    /// step) gives the logits a fresh run of the same tokens gives.
     #[test]
     fn a_rejected_draft_leaves_the_cache_as_if_never_drafted() {
         for name in ["qwen3_untied_gqa", "qwen3_5_tiny", "qwen3_5_moe_tiny"] {
@@ -183,6 +183,27 @@ mod tests {
             let want = load(name, 0).logits(&[prompt, vec![g0, g1, g2]].concat()).unwrap();
             assert_eq!(got, want, "{name}: logits after the rejected draft");
         }
+    }
+
+    /// A hybrid model goes back only into a checked step, and only to a position inside it; a
+    /// refusal leaves the cache where the step left it.
+    #[test]
+    fn only_a_checked_step_can_be_cut_short() {
+        use crate::backend::{StepOutput, StepResult};
+        let prompt: Vec<u32> = (0..20).map(|i| (i * 31 + 5) % 256).collect();
+        let mut engine = load("qwen3_5_tiny", 0);
+        let model = engine.model.as_mut();
+        model.forward_greedy(&prompt, 0, usize::MAX).unwrap();
+        let refused = model.keep_until(prompt.len() - 1).unwrap_err();
+        assert!(matches!(refused, crate::Error::InvalidArgument(_)), "{refused}");
+        let pos = prompt.len();
+        let Ok(StepResult::Tokens(_)) = model.step(&[1, 2, 3], pos, StepOutput::ArgmaxEach { limit: usize::MAX }) else { panic!("a checked step") };
+        for outside in [pos, pos + 4] {
+            assert!(model.keep_until(outside).is_err(), "keep_until {outside}");
+        }
+        let got = model.forward(&[4], pos + 3).unwrap();
+        let want = load("qwen3_5_tiny", 0).logits(&[prompt, vec![1, 2, 3, 4]].concat()).unwrap();
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -825,26 +825,17 @@ fn lock(prefix: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
 }
 
 /// Runs `run` (the token chosen last, then drafts) at `pos` and keeps the drafts the model would
-/// have chosen itself: returns how many, and its choice after the last of them. A model with
-/// recurrent layers cannot drop the rejected drafts from its state: it goes back to the state
-/// before the step and runs the kept tokens again.
+/// have chosen itself: returns how many, and its choice after the last of them. The cache then
+/// ends after the kept drafts (`LanguageModel::keep_until`: a model with recurrent layers goes
+/// back into the step's states).
 fn verify(model: &mut dyn LanguageModel, run: &[u32], pos: usize, limit: usize) -> Result<(usize, u32)> {
-    let before = if model.is_recurrent() { Some(model.save(pos - 1, pos, true)?) } else { None };
     let chosen = match model.step(run, pos, StepOutput::ArgmaxEach { limit })? {
         StepResult::Tokens(t) if t.len() == run.len() => t,
         _ => return Err(Error::Device("the backend did not return a token per position".into())),
     };
     let kept = draft::accepted(&run[1..], &chosen);
-    match before {
-        Some(state) if kept + 1 < run.len() => {
-            model.restore(&[&state])?;
-            match model.step(&run[..=kept], pos, StepOutput::Argmax { limit })? {
-                StepResult::Token(t) => Ok((kept, t)),
-                _ => Err(Error::Device("the backend did not return a token".into())),
-            }
-        }
-        _ => Ok((kept, chosen[kept])),
-    }
+    model.keep_until(pos + kept + 1)?;
+    Ok((kept, chosen[kept]))
 }
 
 /// Passes `piece` through the stop matcher and hands the releasable text to `on_text`.
@@ -1043,6 +1034,9 @@ impl LanguageModel for Noted {
     }
     fn restore(&mut self, pieces: &[&SavedCache]) -> Result<()> {
         self.inner.restore(pieces)
+    }
+    fn keep_until(&mut self, end: usize) -> Result<()> {
+        self.inner.keep_until(end)
     }
     fn free_memory(&self) -> Option<usize> {
         self.inner.free_memory()

@@ -75,6 +75,11 @@ pub trait LanguageModel: Send {
     /// (positions before it are the cache's own). A model with recurrent layers needs the last
     /// piece's state, and continues from its end.
     fn restore(&mut self, pieces: &[&SavedCache]) -> Result<()>;
+    /// Keeps only the positions before `end` of the last step, which ran from before `end` and
+    /// was a checked one (`StepOutput::ArgmaxEach`): the cache is then as if the step had stopped
+    /// at `end`. Later positions are overwritten anyway; a model with recurrent layers takes them
+    /// back to their states at `end`, running only the recurrences again over the kept tokens.
+    fn keep_until(&mut self, end: usize) -> Result<()>;
     /// See `Backend::free_memory`.
     fn free_memory(&self) -> Option<usize>;
 
@@ -203,8 +208,20 @@ pub enum LayerCache<B: Backend> {
     /// Keys and values of every position (attention layers).
     Attention(B::KvCache),
     /// A Gated DeltaNet layer's last `conv_kernel - 1` inputs to its convolution `[1, (K-1)·C]`
-    /// and its delta-rule state `[1, value_heads·key_dim·value_dim]`.
-    Recurrent { conv: B::Tensor, state: B::Tensor },
+    /// and its delta-rule state `[1, value_heads·key_dim·value_dim]`; during a checked step, what
+    /// it takes to go back into it.
+    Recurrent { conv: B::Tensor, state: B::Tensor, checkpoint: Option<Checkpoint<B>> },
+}
+
+/// A recurrent layer's states before a checked step (`StepOutput::ArgmaxEach`, drafted tokens)
+/// and that step's inputs to its recurrence: the states after any of the step's tokens follow
+/// from them by running the recurrence again over the kept tokens, not the network
+/// (`Network::rewind_recurrent`).
+pub struct Checkpoint<B: Backend> {
+    conv: B::Tensor,
+    state: B::Tensor,
+    /// The step's inputs to the convolution `[T, C]`, and `a` and `b` `[T, Hv]`.
+    inputs: Option<[B::Tensor; 3]>,
 }
 
 impl<B: Backend> LayerCache<B> {
@@ -217,8 +234,48 @@ impl<B: Backend> LayerCache<B> {
 
     pub fn recurrent(&mut self) -> Result<(&mut B::Tensor, &mut B::Tensor)> {
         match self {
-            LayerCache::Recurrent { conv, state } => Ok((conv, state)),
+            LayerCache::Recurrent { conv, state, .. } => Ok((conv, state)),
             LayerCache::Attention(_) => Err(Error::InvalidArgument("a recurrent layer got a KV cache".into())),
+        }
+    }
+
+    pub fn new_recurrent(conv: B::Tensor, state: B::Tensor) -> Self {
+        LayerCache::Recurrent { conv, state, checkpoint: None }
+    }
+
+    /// Keeps a recurrent layer's step inputs where a checkpoint waits for them (a checked step of
+    /// one sequence); otherwise drops them.
+    pub fn keep_step_inputs(&mut self, inputs: [B::Tensor; 3]) {
+        if let LayerCache::Recurrent { checkpoint: Some(c), .. } = self {
+            c.inputs = Some(inputs);
+        }
+    }
+
+    /// Puts a recurrent layer's states back as they were before its checked step, and returns
+    /// that step's inputs (see `Checkpoint`).
+    pub fn back_to_checkpoint(&mut self, b: &B) -> Result<[B::Tensor; 3]> {
+        let LayerCache::Recurrent { conv, state, checkpoint } = self else {
+            return Err(Error::InvalidArgument("a recurrent layer got a KV cache".into()));
+        };
+        let Some(Checkpoint { conv: conv_before, state: state_before, inputs: Some(inputs) }) = checkpoint.take() else {
+            return Err(Error::InvalidArgument("no checked step of this layer to go back into".into()));
+        };
+        b.restore_tensor(&conv_before, conv)?;
+        b.restore_tensor(&state_before, state)?;
+        Ok(inputs)
+    }
+
+    /// Before a checked step: copies a recurrent layer's states to go back to.
+    fn set_checkpoint(&mut self, b: &B) -> Result<()> {
+        if let LayerCache::Recurrent { conv, state, checkpoint } = self {
+            *checkpoint = Some(Checkpoint { conv: b.save_tensor(conv)?, state: b.save_tensor(state)?, inputs: None });
+        }
+        Ok(())
+    }
+
+    fn drop_checkpoint(&mut self) {
+        if let LayerCache::Recurrent { checkpoint, .. } = self {
+            *checkpoint = None;
         }
     }
 }
@@ -236,6 +293,12 @@ pub trait Network<B: Backend>: Send + Sync {
     /// The multi-token-prediction head, where the network has one loaded.
     fn draft_head(&self) -> Option<&dyn DraftHead<B>> {
         None
+    }
+    /// Takes the recurrent layers of `cache` back to their states after the first `keep` tokens
+    /// of its last step, a checked one (see `Checkpoint`). Networks without recurrent layers have
+    /// nothing to do.
+    fn rewind_recurrent(&self, _b: &B, _cache: &mut [LayerCache<B>], _keep: usize) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -385,11 +448,20 @@ struct Slot<B: Backend> {
     idle: bool,
     /// Its blocks went to others while it was idle (`LanguageModel::claim` says so once).
     lost: bool,
+    /// The positions of the last step where it was a checked one of a model with recurrent
+    /// layers, whose caches then hold a `Checkpoint` (see `LanguageModel::keep_until`).
+    checked: Option<std::ops::Range<usize>>,
 }
 
 impl<B: Backend> Slot<B> {
     fn new(cache: Vec<LayerCache<B>>) -> Self {
-        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, hidden_row: None, filled: 0, idle: false, lost: false }
+        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, hidden_row: None, filled: 0, idle: false, lost: false, checked: None }
+    }
+
+    /// Frees the checkpoints of the last checked step: another step or a restore changes the states.
+    fn forget_checked(&mut self) {
+        self.checked = None;
+        self.cache.iter_mut().for_each(LayerCache::drop_checkpoint);
     }
 }
 
@@ -563,6 +635,7 @@ impl<B: Backend + 'static> Bound<B> {
         }
         // Positions from start_pos on are rewritten; until the step succeeds they hold nothing.
         self.slots[slot].filled = start_pos;
+        self.slots[slot].forget_checked();
         Ok(())
     }
 
@@ -598,6 +671,16 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         self.check_step(tokens, start_pos)?;
         let end = start_pos + tokens.len();
         self.prepare_step(self.current, start_pos, end)?;
+        let checked = self.recurrent && matches!(want, StepOutput::ArgmaxEach { .. });
+        if checked {
+            let slot = &mut self.slots[self.current];
+            if let Err(e) = slot.cache.iter_mut().try_for_each(|layer| layer.set_checkpoint(&self.backend)) {
+                slot.forget_checked();
+                // Nothing ran: the recurrent state is still at start_pos.
+                slot.recurrent_at = Some(start_pos);
+                return Err(e);
+            }
+        }
         let began = std::time::Instant::now();
         let out = self.run_step(tokens, start_pos, want, meanwhile)?;
         if tokens.len() == 1 {
@@ -605,7 +688,35 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         }
         let slot = &mut self.slots[self.current];
         (slot.recurrent_at, slot.filled) = (Some(end), end);
+        slot.checked = checked.then_some(start_pos..end);
         Ok(out)
+    }
+
+    fn keep_until(&mut self, end: usize) -> Result<()> {
+        let slot = &mut self.slots[self.current];
+        if let Some(held) = &mut slot.held {
+            // The drafting head catches up from the kept positions only.
+            held.tokens.truncate(end.saturating_sub(held.start));
+            if held.tokens.is_empty() {
+                slot.held = None;
+            }
+        }
+        if !self.recurrent {
+            slot.filled = slot.filled.min(end);
+            return Ok(());
+        }
+        let Some(step) = slot.checked.take().filter(|s| s.start < end && end <= s.end && slot.recurrent_at == Some(s.end)) else {
+            slot.forget_checked();
+            return Err(Error::InvalidArgument(format!("keep_until {end}: the last step was not a checked one through position {end}")));
+        };
+        if end < step.end {
+            // A failure leaves the states somewhere in between: they must start again.
+            slot.recurrent_at = None;
+            self.model.rewind_recurrent(&self.backend, &mut slot.cache, end - step.start)?;
+        }
+        slot.forget_checked();
+        (slot.recurrent_at, slot.filled) = (Some(end), end);
+        Ok(())
     }
 
     fn set_token_mask(&mut self, mask: Option<&[u32]>) -> Result<bool> {
@@ -648,7 +759,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
                     bytes += b.kv_bytes(&saved);
                     SavedLayer::<B>::Kv(saved)
                 }
-                LayerCache::Recurrent { conv, state } if with_state => {
+                LayerCache::Recurrent { conv, state, .. } if with_state => {
                     let (conv, state) = (b.save_tensor(conv)?, b.save_tensor(state)?);
                     bytes += b.tensor_bytes(&conv) + b.tensor_bytes(&state);
                     SavedLayer::State { conv, state }
@@ -679,6 +790,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
         let slot = &mut self.slots[self.current];
         // A half-written cache is no state to continue from.
         slot.recurrent_at = None;
+        slot.forget_checked();
         slot.filled = first;
         slot.held = None;
         let other_model = || Error::InvalidArgument("restore: the pieces were saved by another model".into());
@@ -697,7 +809,7 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
                     });
                     restores.push(KvRestore { cache, pieces: pieces.collect::<Result<_>>()? });
                 }
-                LayerCache::Recurrent { conv: c, state: s } => {
+                LayerCache::Recurrent { conv: c, state: s, .. } => {
                     if saved.iter().any(|layers| matches!(layers[i], SavedLayer::Kv(_))) {
                         return Err(other_model());
                     }

@@ -112,6 +112,12 @@ impl<B: Backend> Qwen35<B> {
     }
 }
 
+impl<B: Backend> GatedDeltaNet<B> {
+    fn weights(&self) -> DeltaWeights<'_, B> {
+        DeltaWeights { conv1d: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias }
+    }
+}
+
 fn load_delta_net<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig, hy: &HybridConfig) -> Result<GatedDeltaNet<B>> {
     let (h, conv, vd, vh) = (c.hidden_size, hy.conv_dim(), hy.value_dim(), hy.value_heads);
     Ok(GatedDeltaNet {
@@ -128,7 +134,8 @@ fn load_delta_net<B: Backend>(ld: &mut Loader<'_, B>, p: &str, c: &ModelConfig, 
 }
 
 /// A layer's conv1d and gated delta rule for each sequence of a step, from its own states of
-/// `layer`: a batch of one token each in one pass of the backend.
+/// `layer`: a batch of one token each in one pass of the backend. A single sequence's inputs stay
+/// with its cache where a checked step wants them (`Checkpoint`).
 fn delta_net<B: Backend>(
     b: &B,
     [qkv, a, beta]: [B::Tensor; 3],
@@ -137,15 +144,23 @@ fn delta_net<B: Backend>(
     layer: usize,
     shape: DeltaShape,
 ) -> Result<B::Tensor> {
+    if let [seq] = seqs {
+        let o = recurrence(b, [&qkv, &a, &beta], weights, &mut seq.cache[layer], shape)?;
+        seq.cache[layer].keep_step_inputs([qkv, a, beta]);
+        return Ok(o);
+    }
     if seqs.len() > 1 && seqs.iter().all(|s| s.len == 1) {
         let mut states = seqs.iter_mut().map(|s| s.cache[layer].recurrent()).collect::<Result<Vec<_>>>()?;
         return b.delta_net_rows(&qkv, &a, &beta, weights, &mut states, shape);
     }
-    per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| {
-        let (conv_state, state) = seq.cache[layer].recurrent()?;
-        let qkv = b.conv1d_silu(&qkv, weights.conv1d, conv_state)?; // [T, C]
-        b.gated_delta_rule(&qkv, &a, &beta, weights.a_log, weights.dt_bias, state, shape)
-    })
+    per_seq(b, [qkv, a, beta], seqs, |[qkv, a, beta], seq| recurrence(b, [&qkv, &a, &beta], weights, &mut seq.cache[layer], shape))
+}
+
+/// One sequence's conv1d and gated delta rule over its tokens, continuing `cache`'s states.
+fn recurrence<B: Backend>(b: &B, [qkv, a, beta]: [&B::Tensor; 3], weights: DeltaWeights<'_, B>, cache: &mut LayerCache<B>, shape: DeltaShape) -> Result<B::Tensor> {
+    let (conv_state, state) = cache.recurrent()?;
+    let qkv = b.conv1d_silu(qkv, weights.conv1d, conv_state)?; // [T, C]
+    b.gated_delta_rule(&qkv, a, beta, weights.a_log, weights.dt_bias, state, shape) // [T, Hv·dv]
 }
 
 impl<B: Backend> DecoderLayer<B> {
@@ -202,10 +217,9 @@ impl<B: Backend> Network<B> for Qwen35<B> {
             .chain(mtp_layers)
             .map(|layer| {
                 Ok(match layer.mixer {
-                    Mixer::DeltaNet(_) => LayerCache::Recurrent {
-                        conv: b.upload_vector(&vec![0.0; conv_state])?,
-                        state: b.upload_vector(&vec![0.0; delta_state])?,
-                    },
+                    Mixer::DeltaNet(_) => {
+                        LayerCache::new_recurrent(b.upload_vector(&vec![0.0; conv_state])?, b.upload_vector(&vec![0.0; delta_state])?)
+                    }
                     Mixer::Attention(_) => LayerCache::Attention(b.new_kv_cache(self.config.kv_width(), capacity)?),
                 })
             })
@@ -220,6 +234,21 @@ impl<B: Backend> Network<B> for Qwen35<B> {
 
     fn draft_head(&self) -> Option<&dyn DraftHead<B>> {
         self.mtp.as_ref().map(|_| self as &dyn DraftHead<B>)
+    }
+
+    /// From the states before the checked step, the kept tokens' inputs run through each
+    /// DeltaNet layer's recurrence again: the same kernels on the same rows, so the same bits as
+    /// a step of only those tokens.
+    fn rewind_recurrent(&self, b: &B, cache: &mut [LayerCache<B>], keep: usize) -> Result<()> {
+        for (layer, cache) in self.layers.iter().zip(cache) {
+            let Mixer::DeltaNet(net) = &layer.mixer else { continue };
+            let inputs = cache.back_to_checkpoint(b)?;
+            if keep > 0 {
+                let [qkv, a, beta] = [0, 1, 2].map(|i| b.rows(&inputs[i], 0, keep));
+                recurrence(b, [&qkv?, &a?, &beta?], net.weights(), cache, self.delta_shape())?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -273,8 +302,7 @@ impl<B: Backend> DecoderLayer<B> {
             Mixer::DeltaNet(net) => {
                 let projs = [&net.in_proj_qkv, &net.in_proj_z, &net.in_proj_b, &net.in_proj_a].map(|w| crate::backend::Proj { weight: w, bias: None });
                 let [qkv, z, beta, a] = b.norm_linears(x, norm, eps, projs)?; // [T, C], [T, Hv·dv], [T, Hv] twice
-                let weights = DeltaWeights { conv1d: &net.conv1d, a_log: &net.a_log, dt_bias: &net.dt_bias };
-                let o = delta_net(b, [qkv, a, beta], weights, seqs, l, model.delta_shape())?; // [T, Hv·dv]
+                let o = delta_net(b, [qkv, a, beta], net.weights(), seqs, l, model.delta_shape())?; // [T, Hv·dv]
                 let o = b.gated_rms_norm(&o, &z, &net.norm, eps)?;
                 b.linear_add(&o, &net.out_proj, None, x)?; // x += out_proj(o)
             }
