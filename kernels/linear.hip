@@ -490,7 +490,7 @@ struct Fp8Async {
 // token. Either way a token's products and sums are those it gets alone (an mma column is computed
 // from its own inputs only), so its result does not depend on the others: decode steps of several
 // tokens give each the bits of a single step.
-// SLOTS: 0, the register pipeline; else Fp8Async's slots (one tile and one token only).
+// SLOTS: 0, the register pipeline; else Fp8Async's slots (one tile), after the staged inputs.
 template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                              float eps, int K, int tokens, float (&out)[TILES]) {
@@ -503,7 +503,14 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
     // Both pipelines' state; the one not taken is left unused.
     Fp8Stage<TILES> st[2];
     auto fetch = [&](Fp8Stage<TILES>& stage, int kb) { stage.fetch(tiles, kb, kblocks, chunks, t); };
-    const Fp8Async<TILES, SLOTS == 0 ? 2 : SLOTS> async = {fp8_dynamic + tokens * fp8_padded(K, FP8_BLOCK) * 2, row_table, scale_table, chunks, kblocks};
+    // Several tokens without a norm read their inputs in place (the same values as staged): eight
+    // staged rows of a long input would fill the shared memory, and their staging would read as
+    // many bytes as a block's weights before the first product. With a norm they are staged, so
+    // that its sums are those of one token alone; so are gate/up's (always normed: the branch
+    // would cost their two tiles registers). The weight slots follow the staged inputs, if any.
+    const bool in_place = TOKENS > 1 && TILES == 1 && !norm_w;
+    const int staged_bytes = in_place ? 0 : tokens * fp8_padded(K, FP8_BLOCK) * 2;
+    const Fp8Async<TILES, SLOTS == 0 ? 2 : SLOTS> async = {fp8_dynamic + staged_bytes, row_table, scale_table, chunks, kblocks};
     const int loads = (kblocks + 7) / 8;
     pdl_launch_dependents();
     if constexpr (SLOTS > 0) {
@@ -525,12 +532,6 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
         pipeline_fill(st, unit, FP8_UNITS, fetch);
     }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    // Several tokens without a norm read their inputs in place (the same values as staged): eight
-    // staged rows of a long input would fill the shared memory, and their staging would read as
-    // many bytes as a block's weights before the first product. With a norm they are staged, so
-    // that its sums are those of one token alone; so are gate/up's (always normed: the branch
-    // would cost their two tiles registers).
-    const bool in_place = TOKENS > 1 && TILES == 1 && !norm_w;
     float scale[TOKENS];
     const uint4* xs = nullptr;
     if (in_place) {
@@ -620,6 +621,14 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
             else async_commit();
             const int kb = l * 8 + unit;
             if (kb < kblocks) {
+                // Inputs read in place: the next block's into L1 meanwhile (registers would cost
+                // this kernel its third block an SM).
+                if (in_place)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const int c = (kb + 8) * 8 + j * 4 + t;
+                        if (c < chunks) prefetch_l1(x + (long)(g < tokens ? g : 0) * K + c * 16);
+                    }
                 async.read(l, unit, g, t, st[0]);
                 consume(st[0], kb);
             }
@@ -885,6 +894,19 @@ ATLAS_KERNEL void gemv1_fp8_tokens(const unsigned char* w0, const unsigned char*
                                    int tokens) {
     gemv1_tiled_rows<Fp8Rows, unsigned char, GEMV1_TOKENS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x,
                                  norm_w, eps, residual, K, tokens);
+}
+
+// Several tokens with the one-token kernel's weight slots, after their staged inputs (with a norm;
+// without one they are read in place). The same bits as gemv1_fp8_tokens.
+ATLAS_KERNEL void gemv1_fp8_tokens_async(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
+                                         const unsigned char* w3, const float* s0, const float* s1, const float* s2,
+                                         const float* s3, const float* b0, const float* b1, const float* b2,
+                                         const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
+                                         int n2, int n3, const float* x, const float* norm_w, float eps,
+                                         const float* residual, int K, int tokens) {
+    gemv1_tiled_rows<Fp8Rows, unsigned char, GEMV1_TOKENS, FP8_ASYNC_SLOTS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1,
+                                                                          y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K,
+                                                                          tokens);
 }
 
 // As gemv1_gate_up_bf16, in tiles (as gemv1_tiled_rows): FP8 weights with scale

@@ -130,6 +130,8 @@ template <int N>
 __device__ __forceinline__ void async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+// Asks for the line holding `p` in L1, holding no register (a later load finds it there).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 #else
 #define ASYNC_COPY 0
 __device__ __forceinline__ void async_copy16(void* dst, const void* src, bool valid) {
@@ -141,6 +143,7 @@ __device__ __forceinline__ void async_copy4(void* dst, const void* src, bool val
 __device__ __forceinline__ void async_commit() {}
 template <int N>
 __device__ __forceinline__ void async_wait() {}
+__device__ __forceinline__ void prefetch_l1(const void*) {}
 #endif
 
 // Launch bounds: at most `threads` per block, and on NVIDIA a register budget that lets

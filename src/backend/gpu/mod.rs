@@ -175,7 +175,13 @@ impl GpuWeight {
                 // Several tokens of one tile without a norm are read in place (fp8_rows_dot).
                 let staged = !(several && tiles == 1 && !normed);
                 let input = if staged { tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 } else { 0 };
-                let slots = if dev.async_copy && !several && tiles == 1 { fp8_slots(self.cols, rows, dev) * FP8_SLOT_TILE_BYTES } else { 0 };
+                // One tile streams its weights through slots: one token's, or several where more
+                // blocks an SM fill the grid better so (fp8_tokens_async).
+                let slots = match (dev.async_copy && tiles == 1, several) {
+                    (true, false) => fp8_slots(self.cols, rows, dev),
+                    (true, true) if self.fp8_tokens_async(tokens, rows, normed, dev) => FP8_ASYNC_SLOTS,
+                    _ => 0,
+                } * FP8_SLOT_TILE_BYTES;
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
             WeightFormat::Packed(format) => {
@@ -224,10 +230,30 @@ impl GpuWeight {
             .unwrap_or(0)
     }
 
-    /// The kernel for `tokens` rows of input and `rows` outputs from its stem ("gemv1",
-    /// "gemv1_gate_up"), and the token count argument that the several-token kernels take after
-    /// the others.
-    fn gemv1_kernel(&self, stem: &str, tokens: usize, rows: usize, dev: GemvDevice) -> (String, Option<Arg>) {
+    /// Whether a launch of `tokens` tokens (of several) of one FP8 tile for `rows` outputs
+    /// streams its weights through the one-token kernel's slots (gemv1_fp8_tokens_async): where
+    /// async copies exist and more blocks share an SM that way (its 66 registers allow three, the
+    /// register pipeline's 120 two; the staged inputs of a norm and the slots must fit) so that
+    /// the grid's last wave is fuller. A grid of a little more than one wave waits on its last
+    /// blocks: the Qwen3.6-27B down projection's 320 blocks took 71.6 µs with two an SM, 57.4
+    /// with three, on an H100; grids that two an SM fill as well keep the registers, which were
+    /// faster there (docs/benchmarks.md).
+    fn fp8_tokens_async(&self, tokens: usize, rows: usize, normed: bool, dev: GemvDevice) -> bool {
+        let staged = if normed { tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 } else { 0 };
+        let block = staged + FP8_ASYNC_SLOTS * FP8_SLOT_TILE_BYTES + FP8_GEMV1_STATIC_SHARED as usize;
+        let per_sm = (dev.max_shared as usize + 1024) / block;
+        let grid = rows.div_ceil(FP8_GEMV_ROWS as usize);
+        let filled = |per_sm: usize| {
+            let wave = dev.multiprocessors as usize * per_sm;
+            grid as f64 / (grid.div_ceil(wave) * wave) as f64
+        };
+        self.is_fp8() && dev.async_copy && dev.multiprocessors > 0 && per_sm >= 3 && filled(3) > filled(2) + 0.1
+    }
+
+    /// The kernel for `tokens` rows of input (a launch of `group` of them) and `rows` outputs
+    /// from its stem ("gemv1", "gemv1_gate_up"), and the token count argument that the
+    /// several-token kernels take after the others.
+    fn gemv1_kernel(&self, stem: &str, tokens: usize, group: usize, rows: usize, normed: bool, dev: GemvDevice) -> (String, Option<Arg>) {
         let name = match self.format {
             WeightFormat::Bf16 if dev.bf16_mma => format!("{}_mma", self.kernel(stem)),
             WeightFormat::Fp8 { .. } if stem == "gemv1" && tokens == 1 && dev.async_copy && fp8_slots(self.cols, rows, dev) == FP8_ASYNC_SLOTS_LONG => {
@@ -235,8 +261,10 @@ impl GpuWeight {
             }
             _ => self.kernel(stem),
         };
+        let async_tokens = stem == "gemv1" && self.fp8_tokens_async(group, rows, normed, dev);
         match tokens {
             1 => (name, None),
+            _ if async_tokens => (format!("{name}_tokens_async"), Some(Arg::I32(tokens as i32))),
             _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
     }
@@ -640,7 +668,7 @@ impl GpuBackend {
             args.extend([Arg::Ptr(x.buf.ptr + at(x.cols)), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual), Arg::I32(x.cols as i32)]);
             // An input of several rows takes the several-token kernel even for a last group of one,
             // which gives it the same bits.
-            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, rows, self.gemv_device());
+            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, tokens, rows, norm.is_some(), self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             let (grid, block, shared) = w.gemv1_launch(rows, 1, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
@@ -1477,7 +1505,7 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, g.rows, self.gemv_device());
+            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tokens, g.rows, true, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
             let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
