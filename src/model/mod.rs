@@ -694,6 +694,20 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
 
     fn keep_until(&mut self, end: usize) -> Result<()> {
         let slot = &mut self.slots[self.current];
+        if self.recurrent {
+            let Some(step) = slot.checked.take().filter(|s| s.start < end && end <= s.end && slot.recurrent_at == Some(s.end)) else {
+                slot.forget_checked();
+                return Err(Error::InvalidArgument(format!("keep_until {end}: the last step was not a checked one through position {end}")));
+            };
+            if end < step.end {
+                // A failure leaves the states somewhere in between: they must start again.
+                slot.recurrent_at = None;
+                self.model.rewind_recurrent(&self.backend, &mut slot.cache, end - step.start)?;
+            }
+            slot.forget_checked();
+            slot.recurrent_at = Some(end);
+        }
+        slot.filled = slot.filled.min(end);
         if let Some(held) = &mut slot.held {
             // The drafting head catches up from the kept positions only.
             held.tokens.truncate(end.saturating_sub(held.start));
@@ -701,21 +715,6 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
                 slot.held = None;
             }
         }
-        if !self.recurrent {
-            slot.filled = slot.filled.min(end);
-            return Ok(());
-        }
-        let Some(step) = slot.checked.take().filter(|s| s.start < end && end <= s.end && slot.recurrent_at == Some(s.end)) else {
-            slot.forget_checked();
-            return Err(Error::InvalidArgument(format!("keep_until {end}: the last step was not a checked one through position {end}")));
-        };
-        if end < step.end {
-            // A failure leaves the states somewhere in between: they must start again.
-            slot.recurrent_at = None;
-            self.model.rewind_recurrent(&self.backend, &mut slot.cache, end - step.start)?;
-        }
-        slot.forget_checked();
-        (slot.recurrent_at, slot.filled) = (Some(end), end);
         Ok(())
     }
 
