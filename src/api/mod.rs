@@ -479,5 +479,4 @@ impl ChoiceStream<'_, '_> {
     fn send_final(&mut self, finish_reason: &str, timings: &Value) -> Result<()> {
         self.emit(json!({"index": self.index, "delta": {}, "finish_reason": finish_reason}), Some(("timings", timings)))
     }
-
 }

@@ -244,7 +244,7 @@ impl<B: Backend> Network<B> for Qwen35<B> {
             let Mixer::DeltaNet(net) = &layer.mixer else { continue };
             let inputs = cache.back_to_checkpoint(b)?;
             if keep > 0 {
-                let [qkv, a, beta] = [0, 1, 2].map(|i| b.rows(&inputs[i], 0, keep));
+                let [qkv, a, beta] = inputs.each_ref().map(|x| b.rows(x, 0, keep));
                 recurrence(b, [&qkv?, &a?, &beta?], net.weights(), cache, self.delta_shape())?;
             }
         }
