@@ -243,10 +243,7 @@ impl GpuWeight {
         let block = staged + FP8_ASYNC_SLOTS * FP8_SLOT_TILE_BYTES + FP8_GEMV1_STATIC_SHARED as usize;
         let per_sm = (dev.max_shared as usize + 1024) / block;
         let grid = rows.div_ceil(FP8_GEMV_ROWS as usize);
-        let filled = |per_sm: usize| {
-            let wave = dev.multiprocessors as usize * per_sm;
-            grid as f64 / (grid.div_ceil(wave) * wave) as f64
-        };
+        let filled = |per_sm: usize| wave_fill(grid, dev.multiprocessors as usize * per_sm);
         self.is_fp8() && dev.async_copy && dev.multiprocessors > 0 && per_sm >= 3 && filled(3) > filled(2) + 0.1
     }
 
@@ -440,17 +437,21 @@ fn fp8_slots(cols: usize, rows: usize, dev: GemvDevice) -> usize {
     let per_sm = dev.max_shared as usize + 1024;
     let filled = |slots: usize| {
         let block = cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 + slots * FP8_SLOT_TILE_BYTES + FP8_GEMV_STATIC_SHARED as usize;
-        let wave = dev.multiprocessors as usize * (per_sm / block);
-        if wave == 0 {
-            return 0.0;
-        }
-        grid as f64 / (grid.div_ceil(wave) * wave) as f64
+        wave_fill(grid, dev.multiprocessors as usize * (per_sm / block))
     };
     if dev.multiprocessors > 0 && filled(FP8_ASYNC_SLOTS_LONG) > filled(FP8_ASYNC_SLOTS) + 0.1 {
         FP8_ASYNC_SLOTS_LONG
     } else {
         FP8_ASYNC_SLOTS
     }
+}
+/// How full a grid of `grid` blocks keeps its waves of `wave` blocks (its last one included):
+/// 1 when it fills them all, 0 when no block fits an SM.
+fn wave_fill(grid: usize, wave: usize) -> f64 {
+    if wave == 0 {
+        return 0.0;
+    }
+    grid as f64 / (grid.div_ceil(wave) * wave) as f64
 }
 /// The packed one-token kernels' slots in shared memory (kernels/linear.hip's PkAsync), for rows
 /// of `cols` values where they stream through them (formats without high bits, a row's meta bytes
