@@ -1072,17 +1072,18 @@ struct PkStage {
 
 // As Fp8Async, for the packed formats: a slot holds 64 runs (8 steps, one per unit) of each of the
 // tile's 16 rows -- codes and meta groups, each copied as it lies -- for the formats without high
-// bits, where a row's meta bytes start 4-byte aligned (pk_async_fits: every shape a model has).
-// The others take the register pipeline: with their high bits, slots half as large again or more
-// left room for too few blocks an SM (on an H200 Q8_0 decoded 267 -> 212 t/s with them, Q6_K
-// 244 -> 210; Q4_K gained 325 -> 343). Rows of codes are spaced a sixteenth more than their bytes
-// (lanes reading rows g and g + 1 hit other banks). Unit u consumes step u of each slot, as the
-// register pipeline has it, so both give the same bits.
+// bits (PK_SLOTS), where a row's meta bytes start 4-byte aligned (the host's packed_slot_bytes:
+// every shape a model has; it sends the others to the several-token kernel). The others take the
+// register pipeline: with their high bits, slots half as large again or more left room for too
+// few blocks an SM (on an H200 Q8_0 decoded 267 -> 212 t/s with them, Q6_K 244 -> 210; Q4_K
+// gained 325 -> 343). Rows of codes are spaced a sixteenth more than their bytes (lanes reading
+// rows g and g + 1 hit other banks). Unit u consumes step u of each slot, as the register pipeline
+// has it, so both give the same bits.
 #define PK_ASYNC_SLOTS 3
-template <int F>
-__device__ __forceinline__ bool pk_async_fits(int K) {
-    return ASYNC_COPY && PkTraits<F>::HB == 0 && (K / 32 / PkTraits<F>::MRUNS * PkTraits<F>::MBYTES) % 4 == 0;
-}
+#define PK_SLOTS(F) (ASYNC_COPY && PkTraits<F>::HB == 0)
+// Blocks an SM the one-token kernels are built for: with slots three (80 registers; the slots and
+// an input of up to 8,192 values fit the shared memory three times), else two.
+#define PK_BLOCKS(F) (PK_SLOTS(F) ? 3 : 2)
 template <int F>
 struct PkAsync {
     typedef PkTraits<F> T;
@@ -1103,7 +1104,7 @@ struct PkAsync {
             const bool in = r < valid_runs;
             async_copy16(slot + row * ROW + r * 16, planes[row].codes + (first_run[row] + r0 + (in ? r : 0)) * 16, in);
         }
-        const int valid_meta = valid_runs / T::MRUNS * T::MBYTES;  // whole words (pk_async_fits)
+        const int valid_meta = valid_runs / T::MRUNS * T::MBYTES;  // whole words (packed_slot_bytes)
         for (int p = threadIdx.x; p < 16 * (META_BYTES / 4); p += blockDim.x) {
             const int row = p / (META_BYTES / 4), w = p % (META_BYTES / 4);
             const bool in = w * 4 < valid_meta;
@@ -1145,15 +1146,79 @@ __device__ __forceinline__ void pk_scaled_pairs(unsigned int levels, unsigned in
         asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out[p]) : "r"(l), "r"(s2), "r"(no2));
     }
 }
+
+// The same for sign-magnitude levels (PkTraits::SIGN_MAG), straight from the codes: the four values
+// whose codes are bits 4-7 of u's bytes, as two f16 pairs of s · level (+0: the bits
+// pk_scaled_pairs gives them, -0 codes included). Each pair is one byte permutation of the
+// magnitudes' f16 high bytes (index 0, whose byte is zero, fills the low bytes) and one of u's
+// bytes in sign-replicating mode for the sign bits.
+template <int F>
+__device__ __forceinline__ void pk_sign_mag_pairs(unsigned int u, unsigned int s2, unsigned int* out) {
+    const unsigned int lo = 0x42403c00u;  // f16 high bytes of 0 1 2 3
+    const unsigned int hi = F == PK_ROCMFP4 || F == PK_ROCMFP4_FAST ? 0x49484644u : 0x4a484644u;  // 4 6 8 10|12
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const unsigned int sel = (p ? u >> 16 : u) & 0x7070u;
+        unsigned int mag, sign, v;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mag) : "r"(lo), "r"(hi), "r"(sel));
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(sign) : "r"(u), "r"(0u), "r"(p ? 0xbbaau : 0x9988u));
+        asm("lop3.b32 %0, %1, %2, %3, 0xf8;" : "=r"(v) : "r"(mag), "r"(sign), "r"(0x80008000u));  // a | (b & c)
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out[p]) : "r"(v), "r"(s2), "r"(0u));
+    }
+}
+
+// Run j's scales as f16 pairs (pk_scales's values, each in both halves) and its offsets negated.
+// NVFP4's and ROCmFP4's scale bytes (pk_ue4m3_half, pk_rocmfp4_scale: exponent bias 8) are placed
+// straight into f16 bits 7-13, which gives (1 + man/8) 2^(exp-15) (man 2^-17 for exp 0), and
+// scaled by 2^7: exact, so the same bits as packing pk_scales's f32.
+template <int F>
+__device__ __forceinline__ void pk_pair_scales(const uint4& meta, int j, unsigned int& s_lo, unsigned int& no_lo,
+                                               unsigned int& s_hi, unsigned int& no_hi) {
+    if constexpr (F == PK_NVFP4 || F == PK_ROCMFP4 || F == PK_ROCMFP4_FAST) {
+        const unsigned int b[2] = {meta.x & 0xffu, F == PK_ROCMFP4_FAST ? meta.x & 0xffu : (meta.x >> 8) & 0xffu};
+        unsigned int out[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const bool zero = F == PK_NVFP4 ? b[h] == 0x7fu : b[h] >= 0x7fu;
+            asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out[h]) : "r"(zero ? 0u : (b[h] & 0x7fu) * 0x00800080u), "r"(0x58005800u));
+        }
+        s_lo = out[0];
+        s_hi = out[1];
+        no_lo = no_hi = 0x80008000u;
+    } else {
+        const PkScales sc = pk_scales<F>(meta, j);
+        s_lo = f16x2_pack(sc.s_lo, sc.s_lo);
+        no_lo = f16x2_pack(-sc.o_lo, -sc.o_lo);
+        s_hi = f16x2_pack(sc.s_hi, sc.s_hi);
+        no_hi = f16x2_pack(-sc.o_hi, -sc.o_hi);
+    }
+}
+
+// A code word's values as scaled f16 pairs: a, values 4w .. 4w + 3; b, 16 + 4w ...
+template <int F>
+__device__ __forceinline__ void pk_word_pairs(unsigned int c, unsigned int f, const uint4& table, unsigned int s_lo,
+                                              unsigned int no_lo, unsigned int s_hi, unsigned int no_hi, unsigned int* a,
+                                              unsigned int* b) {
+    if constexpr (PkTraits<F>::SIGN_MAG) {
+        pk_sign_mag_pairs<F>(c << 4, s_lo, a);
+        pk_sign_mag_pairs<F>(c, s_hi, b);
+    } else {
+        pk_scaled_pairs(pk_levels<F>(c, f, false, table), s_lo, no_lo, a);
+        pk_scaled_pairs(pk_levels<F>(c, f, true, table), s_hi, no_hi, b);
+    }
+}
 #endif
 
 // out[i]: row threadIdx.x % 16 of tile i times token threadIdx.x / 16's input, for `tokens`
 // (1..TOKENS) rows of x [tokens, K] (valid in threads below 16 * tokens after the call). On matrix
 // cores a token is a column of the mma (lane g's column holds token g), so each token gets the bits
-// it gets alone; elsewhere each lane sums its own values, token by token. Several tokens take the
-// register pipeline (no weight slots), and without a norm read their inputs in place (the values
-// staging would give), as fp8_rows_dot does.
-template <int F, int TILES, int TOKENS>
+// it gets alone; elsewhere each lane sums its own values, token by token. SLOTS: the weights stream
+// through PkAsync's slots (PK_SLOTS: one token, a format without high bits, where async copies
+// exist; the host sends rows that cannot have them to the several-token kernel), else the register
+// pipeline. A kernel holds one of the two, so that the other's registers do not lower its blocks
+// an SM. Several tokens without a norm read their inputs in place (the values staging would
+// give), as fp8_rows_dot does.
+template <int F, int TILES, int TOKENS, bool SLOTS>
 __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], const float* x, const float* norm_w, float eps,
                                             int K, int tokens, float (&out)[TILES]) {
     static_assert(TILES == 1, "the packed kernels take one tile");
@@ -1164,14 +1229,13 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int runs = K / 32, steps = (runs + 7) / 8;
     const uint4 table = pk_table<F>();
-    // Both pipelines' state (a uniform choice by shape); the one not taken is left unused.
-    PkStage<F, TILES> st[PK_STAGES];
+    static_assert(!SLOTS || (TOKENS == 1 && PkTraits<F>::HB == 0 && ASYNC_COPY), "slots: one token, no high bits");
+    PkStage<F, TILES> st[SLOTS ? 1 : PK_STAGES];
     auto fetch = [&](PkStage<F, TILES>& stage, int step) { stage.fetch(tiles, step, steps, runs, t); };
-    const bool async_path = TOKENS == 1 && pk_async_fits<F>(K);
     const PkAsync<F> async = {pk_dynamic + fp8_padded(K, PK_STEP) * 2, plane_table, run_table, runs};
     const int loads = (runs + 63) / 64;
     pdl_launch_dependents();
-    if (async_path) {
+    if constexpr (SLOTS) {
         if (unit == 0 && t == 0)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -1227,41 +1291,37 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
             const int r = step * 8 + j * 4 + t;  // run within the row
 #pragma unroll
             for (int i = 0; i < TILES; i++) {
-                PkScales sc[2];
-#pragma unroll
-                for (int h = 0; h < 2; h++) sc[h] = pk_scales<F>(st.meta[i][h][j], r % PkTraits<F>::MRUNS);  // rows start groups
 #ifdef PK_MMA
                 unsigned int s_lo[2], o_lo[2], s_hi[2], o_hi[2];
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    s_lo[h] = f16x2_pack(sc[h].s_lo, sc[h].s_lo);
-                    o_lo[h] = f16x2_pack(-sc[h].o_lo, -sc[h].o_lo);
-                    s_hi[h] = f16x2_pack(sc[h].s_hi, sc[h].s_hi);
-                    o_hi[h] = f16x2_pack(-sc[h].o_hi, -sc[h].o_hi);
-                }
+                for (int h = 0; h < 2; h++)  // rows start meta groups
+                    pk_pair_scales<F>(st.meta[i][h][j], r % PkTraits<F>::MRUNS, s_lo[h], o_lo[h], s_hi[h], o_hi[h]);
+#else
+                PkScales sc[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) sc[h] = pk_scales<F>(st.meta[i][h][j], r % PkTraits<F>::MRUNS);  // rows start groups
 #endif
 #pragma unroll
                 for (int w = 0; w < 4; w++) {
+#ifdef PK_MMA
+                    uint2 xl, xh;  // inputs 4w.. and 16 + 4w.. of this lane's token
+                    input(token, r, w, xl, xh);
+                    unsigned int a[2][2], b[2][2];  // [row g, g + 8][pair]
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        pk_word_pairs<F>(pk_word(st.codes[i][h][j], w), pk_field_of<F>(st.fields[i][h][j], w), table, s_lo[h],
+                                         o_lo[h], s_hi[h], o_hi[h], a[h], b[h]);
+                    f16_rows_mma(acc[i], a[0][0], a[1][0], a[0][1], a[1][1], xl.x, xl.y);
+                    f16_rows_mma(acc_hi[i], b[0][0], b[1][0], b[0][1], b[1][1], xh.x, xh.y);
+#else
                     unsigned int lo[2], hi[2];
+                    float vl[2][4], vh[2][4];
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const unsigned int c = pk_word(st.codes[i][h][j], w), f = pk_field_of<F>(st.fields[i][h][j], w);
                         lo[h] = pk_levels<F>(c, f, false, table);
                         hi[h] = pk_levels<F>(c, f, true, table);
                     }
-#ifdef PK_MMA
-                    uint2 xl, xh;  // inputs 4w.. and 16 + 4w.. of this lane's token
-                    input(token, r, w, xl, xh);
-                    unsigned int a[2][2], b[2][2];  // [row g, g + 8][pair]
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        pk_scaled_pairs(lo[h], s_lo[h], o_lo[h], a[h]);
-                        pk_scaled_pairs(hi[h], s_hi[h], o_hi[h], b[h]);
-                    }
-                    f16_rows_mma(acc[i], a[0][0], a[1][0], a[0][1], a[1][1], xl.x, xl.y);
-                    f16_rows_mma(acc_hi[i], b[0][0], b[1][0], b[0][1], b[1][1], xh.x, xh.y);
-#else
-                    float vl[2][4], vh[2][4];
 #pragma unroll
                     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -1286,7 +1346,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
             }
         }
     };
-    if (async_path) {
+    if constexpr (SLOTS) {
         for (int l = 0; l < loads; l++) {
             async_wait<PK_ASYNC_SLOTS - 2>();  // this thread's copies of load l have landed
             __syncthreads();                   // everyone's; and the slot load l - 1 used is free
@@ -1338,7 +1398,7 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
 // As gemv1_fp8 (up to four projections of one input, the residual added to the first) over
 // packed weights, for `tokens` rows of x (y0..y3 and the residual [tokens, n_i]); the scale
 // pointers are unused.
-template <int F, int TOKENS>
+template <int F, int TOKENS, bool SLOTS>
 __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
                                              const unsigned char* w3, const float* b0, const float* b1, const float* b2,
                                              const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
@@ -1356,7 +1416,7 @@ __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsi
         tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, n0, n1, n2, n3), K, n);
     }
     float out[1];
-    pk_rows_dot<F, 1, TOKENS>(tile, x, norm_w, eps, K, tokens, out);
+    pk_rows_dot<F, 1, TOKENS, SLOTS>(tile, x, norm_w, eps, K, tokens, out);
     const int r = threadIdx.x % 16, token = threadIdx.x / 16;
     if (token >= tokens || blockIdx.x * 16 + r >= total) return;
     int sg, row;
@@ -1371,7 +1431,7 @@ __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsi
 
 // As gemv1_gate_up_fp8 over packed weights, but a block's tile is 8 gate rows (as rows g) and the
 // same 8 up rows (as rows g + 8): one tile's registers, twice the blocks. Launch: grid ceil(N / 8).
-template <int F, int TOKENS>
+template <int F, int TOKENS, bool SLOTS>
 __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, const unsigned char* u, const float* gate_bias,
                                                      const float* up_bias, const float* x, const float* norm_w, float eps,
                                                      float* out, int N, int K, int tokens) {
@@ -1381,7 +1441,7 @@ __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, con
     tile[0].set(0, g, N, K, n_lane);
     tile[0].set(1, u, N, K, n_lane);
     float sum[1];
-    pk_rows_dot<F, 1, TOKENS>(tile, x, norm_w, eps, K, tokens, sum);
+    pk_rows_dot<F, 1, TOKENS, SLOTS>(tile, x, norm_w, eps, K, tokens, sum);
     // Thread r + 16 n holds token n's sum of tile row r: the gate rows first + 0..7 at r < 8, their
     // up rows at r >= 8. Whole warps stay for the shuffle.
     if (threadIdx.x >= 32 * ((tokens + 1) / 2)) return;
@@ -1398,32 +1458,32 @@ __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, con
 // gemv1_gate_up_fp8's signatures (scale pointers unused), and their _tokens forms (up to
 // GEMV1_TOKENS rows of input, the count last), as gemv1_fp8_tokens.
 #define PK_GEMV_KERNELS(name, F)                                                                                       \
-    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2) gemv1_##name(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,           \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, PK_BLOCKS(F)) gemv1_##name(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,           \
                                    const unsigned char* w3, const float*, const float*, const float*, const float*,     \
                                    const float* b0, const float* b1, const float* b2, const float* b3, float* y0,      \
                                    float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,    \
                                    const float* norm_w, float eps, const float* residual, int K) {                     \
-        gemv1_packed<F, 1>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K, 1); \
+        gemv1_packed<F, 1, PK_SLOTS(F)>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K, 1); \
     }                                                                                                                  \
     ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2) gemv1_##name##_tokens(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, \
                                    const unsigned char* w3, const float*, const float*, const float*, const float*,     \
                                    const float* b0, const float* b1, const float* b2, const float* b3, float* y0,      \
                                    float* y1, float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,    \
                                    const float* norm_w, float eps, const float* residual, int K, int tokens) {         \
-        gemv1_packed<F, GEMV1_TOKENS>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,  \
+        gemv1_packed<F, GEMV1_TOKENS, false>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,  \
                                       residual, K, tokens);                                                            \
     }                                                                                                                  \
-    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                            \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, PK_BLOCKS(F))                                                 \
         gemv1_gate_up_##name(const unsigned char* g, const unsigned char* u, const float*, const float*,               \
                              const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,        \
                              float eps, float* out, int N, int K) {                                                    \
-        gemv1_gate_up_packed<F, 1>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);                            \
+        gemv1_gate_up_packed<F, 1, PK_SLOTS(F)>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);                            \
     }                                                                                                                  \
     ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                            \
         gemv1_gate_up_##name##_tokens(const unsigned char* g, const unsigned char* u, const float*, const float*,      \
                                       const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, \
                                       float eps, float* out, int N, int K, int tokens) {                               \
-        gemv1_gate_up_packed<F, GEMV1_TOKENS>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);            \
+        gemv1_gate_up_packed<F, GEMV1_TOKENS, false>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);            \
     }
 PK_GEMV_KERNELS(q8_0, PK_Q8_0)
 PK_GEMV_KERNELS(q4_0, PK_Q4_0)

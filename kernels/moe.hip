@@ -223,7 +223,8 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
 // rows a block) and gemv1_packed (16 rows a block) on the chosen expert's planes, each expert with
 // its own NVFP4 factor. The bf16 kernels' arguments (scale pointers unused), then `stride`.
 // Launch: grid (ceil(I / 8) or ceil(H / 16), top_k (+ 1)), block PK_UNITS * 32, dynamic shared
-// memory as gemv1_<format>'s for K = H (gate/up) or I (down).
+// memory as gemv1_<format>'s for K = H (gate/up) or I (down), whose weight slots they need where
+// that kernel has them (the host's packed_slots_unfit).
 template <int F>
 __device__ __forceinline__ void moe_gate_up_pk(const unsigned char* gate, const unsigned char* up, const int* ids,
                                                const float* x, const float* norm_w, float eps,
@@ -233,7 +234,7 @@ __device__ __forceinline__ void moe_gate_up_pk(const unsigned char* gate, const 
     const int s = blockIdx.y;
     const bool shared = s == top_k;
     const long long at = shared ? 0 : ids[s] * stride;
-    gemv1_gate_up_packed<F, 1>(shared ? shared_g : gate + at, shared ? shared_u : up + at, nullptr, nullptr, x, norm_w, eps,
+    gemv1_gate_up_packed<F, 1, PK_SLOTS(F)>(shared ? shared_g : gate + at, shared ? shared_u : up + at, nullptr, nullptr, x, norm_w, eps,
                                act + (long)s * I, I, H, 1);
 }
 
@@ -244,19 +245,19 @@ __device__ __forceinline__ void moe_down_pk(const unsigned char* down, const int
     pdl_wait();
     const int s = blockIdx.y;
     const unsigned char* d = s == top_k ? shared_d : down + ids[s] * stride;
-    gemv1_packed<F, 1>(d, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, y + (long)s * H, nullptr, nullptr,
+    gemv1_packed<F, 1, PK_SLOTS(F)>(d, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, y + (long)s * H, nullptr, nullptr,
                        nullptr, H, 0, 0, 0, act + (long)s * I, nullptr, 0.0f, nullptr, I, 1);
 }
 
 #define MOE_PK_KERNELS(name, F)                                                                                     \
-    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                         \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, PK_BLOCKS(F))                                              \
         moe_gate_up_##name(const unsigned char* gate, const unsigned char* up, const float*, const float*,          \
                            const int* ids, const float* x, const float* norm_w, float eps,                          \
                            const unsigned char* shared_g, const unsigned char* shared_u, const float*, const float*, \
                            float* act, int I, int H, int top_k, long long stride) {                                 \
         moe_gate_up_pk<F>(gate, up, ids, x, norm_w, eps, shared_g, shared_u, act, I, H, top_k, stride);             \
     }                                                                                                               \
-    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, 2)                                                         \
+    ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(PK_UNITS * 32, PK_BLOCKS(F))                                              \
         moe_down_##name(const unsigned char* down, const float*, const int* ids, const float* act,                  \
                         const unsigned char* shared_d, const float*, float* y, int H, int I, int top_k,             \
                         long long stride) {                                                                         \

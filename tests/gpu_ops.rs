@@ -1821,7 +1821,10 @@ fn packed_decode_kernels_give_each_of_several_tokens_its_own_bits() {
     let formats: Vec<Option<GgmlFormat>> = GgmlFormat::ALL.iter().copied().map(Some).chain([None]).collect();
     for (i, format) in formats.into_iter().enumerate() {
         let name = format.map_or("nvfp4 (safetensors)".to_string(), |f| f.to_string());
-        for (n, k) in [(40, 512), (24, 2304)] {
+        // Rows of three runs leave the meta bytes of 2-byte and 1-byte formats unaligned for the
+        // weight slots: one token takes the several-token kernel there.
+        let short = format.is_none_or(|f| f.block_size() <= 32).then_some((12, 96));
+        for (n, k) in [(40, 512), (24, 2304)].into_iter().chain(short) {
             let seed = 500 + 10 * i as u64 + n as u64;
             let (wc, wg) = block_matrix_twice(format, n, k, seed);
             let (uc, ug) = block_matrix_twice(format, n, k, seed + 1);

@@ -32,6 +32,9 @@ template <int F> struct PkTraits {
                                   : (F == PK_Q4_1 || F == PK_Q5_1) ? 4 : (F == PK_MXFP4 || F == PK_ROCMFP4_FAST) ? 1 : 2;
     static constexpr bool TABLE = F == PK_IQ4_NL || F == PK_IQ4_XS || F == PK_MXFP4 || F == PK_NVFP4 ||
                                   F == PK_ROCMFP4 || F == PK_ROCMFP4_FAST;
+    // Table levels as sign (code bit 3) and one of eight magnitudes, each a small integer whose
+    // f16 has a zero low byte (E2M1 doubled: 0 1 2 3 4 6 8 12; Codebook10's 10 last).
+    static constexpr bool SIGN_MAG = F == PK_MXFP4 || F == PK_NVFP4 || F == PK_ROCMFP4 || F == PK_ROCMFP4_FAST;
     // Added to a code to make its biased level (linear formats): 128 minus the zero point.
     static constexpr unsigned int BIAS = F == PK_Q8_0 ? 0 : F == PK_Q4_0 ? 120 : F == PK_Q5_0 ? 112 : F == PK_Q6_K ? 96 : 128;
 };

@@ -162,6 +162,7 @@ impl GpuWeight {
     /// copies exist, so it is the largest launch (what the fits checks measure). `several`: the
     /// several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
+        let several = several || self.lacks_slots(dev);
         match self.format {
             WeightFormat::Bf16 => {
                 if dev.bf16_mma {
@@ -221,13 +222,20 @@ impl GpuWeight {
         };
         // The same bound for one token as for several: an input takes the same kernels alone as
         // beside others.
-        if tokens == 1 {
+        if tokens == 1 && !self.lacks_slots(dev) {
             return usize::from(self.gemv1_launch(1, 1, normed, 1, false, dev).2 + fixed[0] <= dev.max_shared);
         }
         (1..=GEMV1_TOKENS)
             .take_while(|&t| self.gemv1_launch(1, 1, normed, t, true, dev).2 + fixed[1] <= dev.max_shared)
             .last()
             .unwrap_or(0)
+    }
+
+    /// Whether this packed weight's one-token kernels need weight slots that its rows cannot have
+    /// (packed_slots_unfit): a single token then takes the several-token kernel, which gives it
+    /// the same bits.
+    fn lacks_slots(&self, dev: GemvDevice) -> bool {
+        matches!(self.format, WeightFormat::Packed(f) if packed_slots_unfit(f, self.cols, dev.async_copy))
     }
 
     /// Whether a launch of `tokens` tokens (of several) of one FP8 tile for `rows` outputs
@@ -260,7 +268,7 @@ impl GpuWeight {
         };
         let async_tokens = stem == "gemv1" && self.fp8_tokens_async(group, rows, normed, dev);
         match tokens {
-            1 => (name, None),
+            1 if !self.lacks_slots(dev) => (name, None),
             _ if async_tokens => (format!("{name}_tokens_async"), Some(Arg::I32(tokens as i32))),
             _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
@@ -455,7 +463,7 @@ fn wave_fill(grid: usize, wave: usize) -> f64 {
 }
 /// The packed one-token kernels' slots in shared memory (kernels/linear.hip's PkAsync), for rows
 /// of `cols` values where they stream through them (formats without high bits, a row's meta bytes
-/// a multiple of 4: pk_async_fits): PK_ASYNC_SLOTS slots of 16 rows, each row's codes (1088
+/// a multiple of 4): PK_ASYNC_SLOTS slots of 16 rows, each row's codes (1088
 /// bytes) and 64 runs' meta groups (rounded up to 16 bytes, + 16).
 fn packed_slot_bytes(format: GgmlFormat, cols: usize) -> Option<usize> {
     let (group_runs, group_bytes) = packed::meta_group(format);
@@ -466,6 +474,12 @@ fn packed_slot_bytes(format: GgmlFormat, cols: usize) -> Option<usize> {
     Some(PK_ASYNC_SLOTS * 16 * (1088 + meta.div_ceil(16) * 16 + 16))
 }
 const PK_ASYNC_SLOTS: usize = 3;
+/// Whether the packed one-token kernels over rows of `cols` values would stream their weights
+/// through slots (kernels/linear.hip's PK_SLOTS: a format without high bits, where async copies
+/// exist) that such rows cannot have: those kernels are built for slots alone.
+fn packed_slots_unfit(format: GgmlFormat, cols: usize, async_copy: bool) -> bool {
+    async_copy && packed::high_bits(format) == 0 && packed_slot_bytes(format, cols).is_none()
+}
 /// Dynamic shared memory of the packed one-token kernels over rows of `cols` values: the input
 /// staged as f16 in whole steps, and the weight slots where async copies stream the weights.
 fn packed_gemv_shared(format: GgmlFormat, cols: usize, async_copy: bool) -> usize {

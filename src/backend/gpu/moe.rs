@@ -16,7 +16,7 @@
 
 use super::runtime::Arg;
 use super::{
-    as_bytes, blocks, byte_size, packed_gemv_shared, packed_kernel, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED, GEMV1_TOKENS,
+    as_bytes, blocks, byte_size, packed_gemv_shared, packed_kernel, packed_slots_unfit, DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, BLOCK, FP8_GEMV_ROWS, FP8_GEMV_STATIC_SHARED, GEMV1_TOKENS,
     FP8_GEMV_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_MAX_STAGED, GEMV_ROWS, GEMV_THREADS,
 };
 use crate::backend::{compose_moe_block, Backend, GatedMlp, HostMlp, Routing, SharedExpert};
@@ -288,14 +288,17 @@ impl GpuBackend {
 
     /// Whether the one-token expert GEMVs take these experts: for bf16 whole 8-value chunks per row,
     /// for FP8 whole 16-value chunks and an input staged in shared memory that fits; packed
-    /// formats (whole runs already) the staged input and their weight slots.
+    /// formats (whole runs already) the staged input and their weight slots, where their
+    /// kernels have them (packed_slots_unfit).
     fn moe_gemv_fits(&self, ex: &GpuExperts) -> bool {
         let (h, i) = (ex.hidden, ex.inter);
         [(&ex.gate, h), (&ex.down, i)].into_iter().all(|(stack, k)| match stack.format {
             ExpertFormat::Bf16 => k % 8 == 0,
             ExpertFormat::Fp8 => k % 16 == 0 && fp8_staged(k) + FP8_GEMV_STATIC_SHARED as usize <= self.rt.max_shared_bytes() as usize,
             ExpertFormat::Packed(f) => {
-                packed_gemv_shared(f, k, self.gemv_device().async_copy) + FP8_GEMV_STATIC_SHARED as usize <= self.rt.max_shared_bytes() as usize
+                let async_copy = self.gemv_device().async_copy;
+                !packed_slots_unfit(f, k, async_copy)
+                    && packed_gemv_shared(f, k, async_copy) + FP8_GEMV_STATIC_SHARED as usize <= self.rt.max_shared_bytes() as usize
             }
         })
     }
