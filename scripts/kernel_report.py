@@ -50,23 +50,6 @@ def compile_cubin(lib, arch):
     return log.value.decode(errors="replace"), cubin.raw
 
 
-def resources(log):
-    """kernel -> (registers, spill stores + loads in bytes, shared bytes) from ptxas's report."""
-    out, name, spill = {}, None, 0
-    for line in log.split("\n"):
-        m = re.search(r"(?:Compiling entry function|Function properties for) '?(\w+)'?", line)
-        if m:
-            name = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and name:
-            spill = int(m.group(1)) + int(m.group(2))
-        m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)
-        if m and name:
-            out[name] = (int(m.group(1)), spill, int(m.group(2)))
-            spill = 0
-    return out
-
-
 def loop_opcodes(tools, cubin_path, kernel):
     """Opcodes between the kernel's first and last matrix instruction (HMMA/IMMA/HGMMA)."""
     cuobjdump, nvdisasm = tools
@@ -92,7 +75,7 @@ def main():
     args = ap.parse_args()
     lib = ctypes.CDLL(nvk.find_nvrtc(args.nvrtc))
     log, cubin = compile_cubin(lib, args.arch)
-    res = {k: v for k, v in resources(log).items() if re.search(args.pattern, k)}
+    res = {k: v for k, v in nvk.resources(log).items() if re.search(args.pattern, k)}
     if not res:
         sys.exit(f"kernel_report: no kernel matches {args.pattern!r}")
     tools = (find_tool("cuobjdump", args.cuobjdump), find_tool("nvdisasm", args.nvdisasm)) if args.sass else None
