@@ -93,12 +93,21 @@ if [[ $wine_version =~ wine-([0-9]+) ]] && ((BASH_REMATCH[1] < 9)); then
     x86_64-w64-mingw32-gcc -shared -O2 -Wall -Wextra -Werror -o "$system32/bcryptprimitives.dll" \
         tests/windows/process_prng.c -ladvapi32
 fi
-# Wine's view of a variable, as a Unix path.
-win_var() { "$wine" cmd /c echo "%$1%" 2>/dev/null | tr -d '\r' | sed 's/ *$//'; }
+# A Windows environment variable as wine's cmd sees it (which has come back empty now and then:
+# up to three tries); wine's paths both ways.
+win_var() {
+    local value=
+    for _ in 1 2 3; do
+        value=$("$wine" cmd /c echo "%$1%" 2>/dev/null | tr -d '\r' | sed 's/ *$//')
+        [[ -n $value ]] && break
+    done
+    printf '%s' "$value"
+}
 unix_path() { "$wine" winepath -u "$1" 2>/dev/null | tr -d '\r'; }
 win_path() { "$wine" winepath -w "$1" 2>/dev/null | tr -d '\r'; }
-localappdata=$(unix_path "$(win_var LOCALAPPDATA)")
-[[ -d $localappdata ]] || die "no %LOCALAPPDATA% in the Wine prefix ($localappdata)"
+localappdata_win=$(win_var LOCALAPPDATA)
+localappdata=$(unix_path "$localappdata_win")
+[[ -n $localappdata_win && -d $localappdata ]] || die "no %LOCALAPPDATA% in the Wine prefix ($localappdata_win, $localappdata)"
 
 # 1. Rust tests, each test binary run by wine (cargo's runner).
 step "Rust tests under wine"
@@ -240,7 +249,7 @@ if [[ -f $gguf ]]; then
     ln -f "$gguf" "$localappdata/atlas/SmolLM2-135M-Instruct.Q4_1.gguf" 2>/dev/null || cp "$gguf" "$localappdata/atlas/"
     ask "default model (%LOCALAPPDATA%\\atlas)" --device cpu
     ln -f "$gguf" "$odd_dir/SmolLM2 135M é.gguf" 2>/dev/null || cp "$gguf" "$odd_dir/SmolLM2 135M é.gguf"
-    ask "--model with spaces and non-ASCII" --model "$(win_var LOCALAPPDATA)\\Modèles d'essai\\Qwen 3 (tiny) – ü\\SmolLM2 135M é.gguf"
+    ask "--model with spaces and non-ASCII" --model "$localappdata_win\\Modèles d'essai\\Qwen 3 (tiny) – ü\\SmolLM2 135M é.gguf"
 else
     say "skipped the France question (needs the default model: atlas setup)"
     "$wine" "$pkg/atlas.exe" run --max-tokens 4 "Hi" >/dev/null 2>"$work/answer.err" && die "atlas run without a model succeeded"
@@ -248,7 +257,7 @@ else
 fi
 # A model directory at such a path, through the engine's safetensors loader.
 cp -r tests/fixtures/models/chat_tiny/. "$odd_dir/"
-"$wine" "$pkg/atlas.exe" run --model "$(win_var LOCALAPPDATA)\\Modèles d'essai\\Qwen 3 (tiny) – ü" --device cpu \
+"$wine" "$pkg/atlas.exe" run --model "$localappdata_win\\Modèles d'essai\\Qwen 3 (tiny) – ü" --device cpu \
     --max-tokens 4 "Hello" >/dev/null 2>"$work/odd.err" || die "chat_tiny at a non-ASCII path: $(cat "$work/odd.err")"
 say "chat_tiny at a non-ASCII path: $(grep -m1 '^loaded' "$work/odd.err" | tr -d '\r')"
 
