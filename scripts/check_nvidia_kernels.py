@@ -26,6 +26,27 @@ def kernel_source():
     return "\n".join(out) + "\n", files
 
 
+def compile_program(lib, src, arch, cubin=False):
+    """NVRTC's exit code, its log (with ptxas's resource report) and, when asked, the cubin."""
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"atlas.cu", 0, None, None):
+        sys.exit("check_nvidia_kernels: nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--ptxas-options=-v"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    binary = None
+    if cubin and rc == 0:
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, buf)
+        binary = buf.raw
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc, log.value.decode(errors="replace"), binary
+
+
 def resources(log):
     """kernel -> (registers, spill stores + loads in bytes, shared bytes) from ptxas's report."""
     out, name, spill = {}, None, 0
@@ -85,17 +106,7 @@ def main():
     bounds = host_bounds()
     ok = True
     for arch in args.arch or ["sm_80", "sm_90", "sm_90a"]:
-        prog = ctypes.c_void_p()
-        if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"atlas.cu", 0, None, None):
-            sys.exit("check_nvidia_kernels: nvrtcCreateProgram failed")
-        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--ptxas-options=-v"]
-        arr = (ctypes.c_char_p * len(opts))(*opts)
-        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        full = log.value.decode(errors="replace")
+        rc, full, _ = compile_program(lib, src, arch)
         # ptxas's resource report, read below, is no message of its own.
         text = "\n".join(l for l in full.split("\n") if not re.match(r"ptxas( info|\s+\.)", l)).strip()
         over = [
@@ -115,7 +126,6 @@ def main():
             print(f"check_nvidia_kernels: {arch}: FAILED: the host's shared-memory bounds are too small\n" + "\n".join(over))
         else:
             print(f"check_nvidia_kernels: {arch}: ok ({len(files)} files)" + (f"\n{text}" if text else ""))
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
     sys.exit(0 if ok else 1)
 
 

@@ -32,22 +32,10 @@ def find_tool(name, explicit):
 
 def compile_cubin(lib, arch):
     src, _ = nvk.kernel_source()
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"atlas.cu", 0, None, None):
-        sys.exit("kernel_report: nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--ptxas-options=-v"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
+    rc, log, cubin = nvk.compile_program(lib, src, arch, cubin=True)
     if rc != 0:
-        sys.exit(f"kernel_report: {arch}: compile failed\n{log.value.decode(errors='replace')}")
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetCUBIN(prog, cubin)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return log.value.decode(errors="replace"), cubin.raw
+        sys.exit(f"kernel_report: {arch}: compile failed\n{log}")
+    return log, cubin
 
 
 def loop_opcodes(tools, cubin_path, kernel):
