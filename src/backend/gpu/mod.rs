@@ -157,10 +157,12 @@ impl GpuWeight {
     /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8, reading it in
     /// place; fp8 stages it as f16 in whole 128-column blocks (fp8_rows_dot; several tokens of
     /// one tile without a norm read it in place), packed formats in whole 256-column steps
-    /// (pk_rows_dot; several tokens without a norm read it in place). `tiles`: 16-row tiles a
-    /// block takes (gemv1 1, gate/up 2): the FP8 one-tile kernel has weight slots where async
-    /// copies exist, so it is the largest launch (what the fits checks measure). `several`: the
-    /// several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
+    /// (pk_rows_dot; several tokens without a norm read it in place; the one-token kernels with
+    /// weight slots launch at most a wave of blocks, `packed_wave`, each taking several tiles).
+    /// `tiles`: 16-row tiles a block takes at once (gemv1 1, gate/up 2): the FP8 one-tile kernel
+    /// has weight slots where async copies exist, so it is the largest launch (what the fits
+    /// checks measure). `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens`
+    /// this launch takes.
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         let several = several || self.lacks_slots(dev);
         match self.format {
