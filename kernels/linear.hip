@@ -1091,25 +1091,29 @@ struct PkAsync {
     static constexpr int META_BYTES = 64 / T::MRUNS * T::MBYTES;  // a multiple of 4 for every format
     static constexpr int ROW = CODES_ROW + (META_BYTES + 15) / 16 * 16 + 16;
     static constexpr int SLOT_BYTES = 16 * ROW;
-    unsigned char* slots;      // dynamic shared memory, after the staged input
-    const PkPlanes* planes;    // each tile row's planes (shared table)
-    const long* first_run;     // and its first run
-    int runs;                  // per row
-    // Issues the copies of slot-load `st` (runs 64 st .. 64 st + 63 of every row) and closes its group.
-    __device__ __forceinline__ void issue(int st) const {
+    unsigned char* slots;                          // dynamic shared memory, after the staged input
+    const PkPlanes (*planes)[16];                  // each tile row's planes (shared table, an entry a tile)
+    const long (*first_run)[16];                   // and its first run
+    int runs;                                      // per row
+    int loads;                                     // slot-loads per tile
+    // Issues the copies of slot-load `st` of the block's sequence (runs 64 l .. 64 l + 63 of every
+    // row of tile st / loads, l = st % loads, its rows in table entry `entry`) and closes its group.
+    __device__ __forceinline__ void issue(int st, int entry) const {
         unsigned char* slot = slots + (st % PK_ASYNC_SLOTS) * SLOT_BYTES;
-        const int r0 = st * 64, valid_runs = runs - r0 < 64 ? runs - r0 : 64;
+        const PkPlanes* plane = planes[entry];
+        const long* first = first_run[entry];
+        const int r0 = st % loads * 64, valid_runs = runs - r0 < 64 ? runs - r0 : 64;
         for (int p = threadIdx.x; p < 16 * 64; p += blockDim.x) {
             const int row = p / 64, r = p % 64;
             const bool in = r < valid_runs;
-            async_copy16(slot + row * ROW + r * 16, planes[row].codes + (first_run[row] + r0 + (in ? r : 0)) * 16, in);
+            async_copy16(slot + row * ROW + r * 16, plane[row].codes + (first[row] + r0 + (in ? r : 0)) * 16, in);
         }
         const int valid_meta = valid_runs / T::MRUNS * T::MBYTES;  // whole words (packed_slot_bytes)
         for (int p = threadIdx.x; p < 16 * (META_BYTES / 4); p += blockDim.x) {
             const int row = p / (META_BYTES / 4), w = p % (META_BYTES / 4);
             const bool in = w * 4 < valid_meta;
-            const long at = (first_run[row] + r0) / T::MRUNS * T::MBYTES + (in ? w * 4 : 0);
-            async_copy4(slot + row * ROW + CODES_ROW + w * 4, planes[row].meta + at, in);
+            const long at = (first[row] + r0) / T::MRUNS * T::MBYTES + (in ? w * 4 : 0);
+            async_copy4(slot + row * ROW + CODES_ROW + w * 4, plane[row].meta + at, in);
         }
         async_commit();
     }
@@ -1123,7 +1127,7 @@ struct PkAsync {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int r = unit * 8 + j * 4 + t;  // run within the slot
-                const bool in = st * 64 + r < runs;
+                const bool in = st % loads * 64 + r < runs;
                 out.codes[0][h][j] = in ? *(const uint4*)(row + r * 16) : make_uint4(0u, 0u, 0u, 0u);
                 out.fields[0][h][j] = make_uint4(0u, 0u, 0u, 0u);
                 if (j == 0 || T::MRUNS == 1)
@@ -1209,46 +1213,64 @@ __device__ __forceinline__ void pk_word_pairs(unsigned int c, unsigned int f, co
 }
 #endif
 
-// out[i]: row threadIdx.x % 16 of tile i times token threadIdx.x / 16's input, for `tokens`
-// (1..TOKENS) rows of x [tokens, K] (valid in threads below 16 * tokens after the call). On matrix
-// cores a token is a column of the mma (lane g's column holds token g), so each token gets the bits
-// it gets alone; elsewhere each lane sums its own values, token by token. SLOTS: the weights stream
-// through PkAsync's slots (PK_SLOTS: one token, a format without high bits, where async copies
-// exist; the host sends rows that cannot have them to the several-token kernel), else the register
-// pipeline. A kernel holds one of the two, so that the other's registers do not lower its blocks
-// an SM. Several tokens without a norm read their inputs in place (the values staging would
-// give), as fp8_rows_dot does.
-template <int F, int TILES, int TOKENS, bool SLOTS>
-__device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], const float* x, const float* norm_w, float eps,
-                                            int K, int tokens, float (&out)[TILES]) {
-    static_assert(TILES == 1, "the packed kernels take one tile");
-    __shared__ float sums[PK_UNITS][TILES][16][TOKENS];
-    __shared__ PkPlanes plane_table[16];
-    __shared__ long run_table[16];
+// Tiles first, first + every, ... below `count` of 16 rows each, times `tokens` (1..TOKENS) rows
+// of x [tokens, K]: rows_of(tile, rows) sets lane (g, t)'s rows g and g + 8 of a tile, and after
+// each tile every thread calls finish(tile, value) with row threadIdx.x % 16 times token
+// threadIdx.x / 16's input (0 from threads past 16 * tokens). The input is staged once for all of
+// a block's tiles. On matrix cores a token is a column of the mma (lane g's column holds token g),
+// so each token gets the bits it gets alone; elsewhere each lane sums its own values, token by
+// token. SLOTS: the weights stream through PkAsync's slots (PK_SLOTS: one token, a format without
+// high bits, where async copies exist; the host sends rows that cannot have them to the
+// several-token kernel), one tile's loads after the other's, so that a block the host launches for
+// several tiles keeps its copies in flight from one tile to the next; else the register pipeline,
+// tile by tile. A kernel holds one of the two, so that the other's registers do not lower its
+// blocks an SM. A row's sum does not depend on the tiles its block takes. Several tokens without
+// a norm read their inputs in place (the values staging would give), as fp8_rows_dot does.
+template <int F, int TOKENS, bool SLOTS, class RowsOf, class Finish>
+__device__ __forceinline__ void pk_rows_dot(int first, int every, int count, RowsOf rows_of, const float* x, const float* norm_w,
+                                            float eps, int K, int tokens, Finish finish) {
+    constexpr int TILES = 1;  // PkStage's tiles at a time
+    __shared__ float sums[PK_UNITS][16][TOKENS];
+    // The rows of the tiles whose slot-loads are in flight: an entry a tile, three for K <= 2,048.
+    __shared__ PkPlanes plane_table[PK_ASYNC_SLOTS][16];
+    __shared__ long run_table[PK_ASYNC_SLOTS][16];
     extern __shared__ __attribute__((aligned(16))) unsigned char pk_dynamic[];
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int runs = K / 32, steps = (runs + 7) / 8;
+    const int mine = first < count ? (count - 1 - first) / every + 1 : 0;  // this block's tiles
+    if (mine == 0) return;
     const uint4 table = pk_table<F>();
     static_assert(!SLOTS || (TOKENS == 1 && PkTraits<F>::HB == 0 && ASYNC_COPY), "slots: one token, no high bits");
+    PkRows<F> tiles[TILES];
     PkStage<F, TILES> st[SLOTS ? 1 : PK_STAGES];
     auto fetch = [&](PkStage<F, TILES>& stage, int step) { stage.fetch(tiles, step, steps, runs, t); };
-    const PkAsync<F> async = {pk_dynamic + fp8_padded(K, PK_STEP) * 2, plane_table, run_table, runs};
-    const int loads = (runs + 63) / 64;
+    const int loads = (runs + 63) / 64, all_loads = mine * loads;
+    const PkAsync<F> async = {pk_dynamic + fp8_padded(K, PK_STEP) * 2, plane_table, run_table, runs, loads};
+    // Unit 0 puts the rows of the tile that slot-load `l` starts into its table entry.
+    auto note = [&](int l) {
+        if (!SLOTS || unit != 0 || t != 0 || l >= all_loads || l % loads != 0) return;
+        PkRows<F> rows;
+        rows_of(first + l / loads * every, rows);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            plane_table[l / loads % PK_ASYNC_SLOTS][g + 8 * h] = rows.p[h];
+            run_table[l / loads % PK_ASYNC_SLOTS][g + 8 * h] = rows.run0[h];
+        }
+    };
+    auto issue = [&](int l) {
+        if (l < all_loads) async.issue(l, l / loads % PK_ASYNC_SLOTS);
+        else async_commit();  // an empty group keeps the count async_wait relies on
+    };
     pdl_launch_dependents();
     if constexpr (SLOTS) {
-        if (unit == 0 && t == 0)
+        // Loads 0 .. PK_ASYNC_SLOTS - 1 may start as many tiles; the loop issues the last of them.
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                plane_table[g + 8 * h] = tiles[0].p[h];
-                run_table[g + 8 * h] = tiles[0].run0[h];
-            }
+        for (int l = 0; l < PK_ASYNC_SLOTS; l++) note(l);
         __syncthreads();
 #pragma unroll
-        for (int l = 0; l < PK_ASYNC_SLOTS - 1; l++) {
-            if (l < loads) async.issue(l);
-            else async_commit();  // an empty group keeps the count async_wait relies on
-        }
+        for (int l = 0; l < PK_ASYNC_SLOTS - 1; l++) issue(l);
     } else {
+        rows_of(first, tiles[0]);
         pipeline_fill(st, unit, PK_UNITS, fetch);
     }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
@@ -1346,112 +1368,125 @@ __device__ __forceinline__ void pk_rows_dot(const PkRows<F> (&tiles)[TILES], con
             }
         }
     };
-    if constexpr (SLOTS) {
-        for (int l = 0; l < loads; l++) {
-            async_wait<PK_ASYNC_SLOTS - 2>();  // this thread's copies of load l have landed
-            __syncthreads();                   // everyone's; and the slot load l - 1 used is free
-            if (l + PK_ASYNC_SLOTS - 1 < loads) async.issue(l + PK_ASYNC_SLOTS - 1);
-            else async_commit();
-            const int step = l * 8 + unit;
-            if (step < steps) {
-                async.read(l, unit, g, t, st[0]);
-                consume(st[0], step);
-            }
-        }
-    } else {
-        pipeline_drain(st, unit, PK_UNITS, steps, fetch, consume);
-    }
-#pragma unroll
-    for (int i = 0; i < TILES; i++) {
+    // Each unit's sums of the tile into `sums`, then each output's total, and the sums start anew.
+    auto tile_done = [&](int tile) {
 #ifdef PK_MMA
 #pragma unroll
         for (int col = 0; col < (TOKENS > 1 ? 2 : 1); col++) {
             const int n = 2 * t + col;
             if (n < tokens && n < TOKENS) {
-                sums[unit][i][g][n] = acc[i][col] + acc_hi[i][col];
-                sums[unit][i][g + 8][n] = acc[i][2 + col] + acc_hi[i][2 + col];
+                sums[unit][g][n] = acc[0][col] + acc_hi[0][col];
+                sums[unit][g + 8][n] = acc[0][2 + col] + acc_hi[0][2 + col];
             }
         }
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[0][k] = acc_hi[0][k] = 0.0f;
 #else
 #pragma unroll
         for (int n = 0; n < TOKENS; n++) {
-            const float row_g = fp8_quad_total(acc[i][n][0]), row_g8 = fp8_quad_total(acc[i][n][1]);
+            const float row_g = fp8_quad_total(acc[0][n][0]), row_g8 = fp8_quad_total(acc[0][n][1]);
             if (t == 0 && n < tokens) {
-                sums[unit][i][g][n] = row_g;
-                sums[unit][i][g + 8][n] = row_g8;
+                sums[unit][g][n] = row_g;
+                sums[unit][g + 8][n] = row_g8;
             }
+            acc[0][n][0] = acc[0][n][1] = 0.0f;
         }
 #endif
-    }
-    __syncthreads();
-    const int r = threadIdx.x % 16, n = threadIdx.x / 16;
-    if (n >= tokens) return;
-    const float s = fp8_token_scale<TOKENS>(scale, n);
-#pragma unroll
-    for (int i = 0; i < TILES; i++) {
+        __syncthreads();
+        const int r = threadIdx.x % 16, n = threadIdx.x / 16;
         float total = 0.0f;
-        for (int u = 0; u < PK_UNITS; u++) total += sums[u][i][r][n];
-        out[i] = total * s;
+        if (n < tokens && n < TOKENS) {
+            for (int u = 0; u < PK_UNITS; u++) total += sums[u][r][n];
+            total *= fp8_token_scale<TOKENS>(scale, n);
+        }
+        finish(tile, total);
+    };
+    if constexpr (SLOTS) {
+        for (int l = 0; l < all_loads; l++) {
+            async_wait<PK_ASYNC_SLOTS - 2>();  // this thread's copies of load l have landed
+            __syncthreads();                   // everyone's; the slot load l - 1 used and the sums are free
+            issue(l + PK_ASYNC_SLOTS - 1);
+            note(l + PK_ASYNC_SLOTS);          // seen by the next iteration's issue, after its barrier
+            const int step = l % loads * 8 + unit;
+            if (step < steps) {
+                async.read(l, unit, g, t, st[0]);
+                consume(st[0], step);
+            }
+            if (l % loads == loads - 1) tile_done(first + l / loads * every);
+        }
+    } else {
+        for (int i = 0; i < mine; i++) {
+            if (i > 0) {
+                __syncthreads();  // the previous tile's sums are read
+                rows_of(first + i * every, tiles[0]);
+                pipeline_fill(st, unit, PK_UNITS, fetch);
+            }
+            pipeline_drain(st, unit, PK_UNITS, steps, fetch, consume);
+            tile_done(first + i * every);
+        }
     }
 }
 
 // As gemv1_fp8 (up to four projections of one input, the residual added to the first) over
 // packed weights, for `tokens` rows of x (y0..y3 and the residual [tokens, n_i]); the scale
-// pointers are unused.
+// pointers are unused. Block b takes the 16-row tiles b, b + gridDim.x, ... (pk_rows_dot).
 template <int F, int TOKENS, bool SLOTS>
 __device__ __forceinline__ void gemv1_packed(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
                                              const unsigned char* w3, const float* b0, const float* b1, const float* b2,
                                              const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
                                              int n2, int n3, const float* x, const float* norm_w, float eps,
                                              const float* residual, int K, int tokens) {
-    const int total = n0 + n1 + n2 + n3, lane = threadIdx.x % 32;
-    auto locate = [&](int r, int& seg, int& n) {
-        gemv1_segment(blockIdx.x * 16 + r < total ? blockIdx.x * 16 + r : 0, n0, n1, n2, seg, n);
+    const int total = n0 + n1 + n2 + n3;
+    auto locate = [&](int tile, int r, int& seg, int& n) {
+        gemv1_segment(tile * 16 + r < total ? tile * 16 + r : 0, n0, n1, n2, seg, n);
     };
-    PkRows<F> tile[1];
+    auto rows_of = [&](int tile, PkRows<F>& rows) {
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int seg, n;
-        locate(lane / 4 + 8 * h, seg, n);
-        tile[0].set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, n0, n1, n2, n3), K, n);
-    }
-    float out[1];
-    pk_rows_dot<F, 1, TOKENS, SLOTS>(tile, x, norm_w, eps, K, tokens, out);
-    const int r = threadIdx.x % 16, token = threadIdx.x / 16;
-    if (token >= tokens || blockIdx.x * 16 + r >= total) return;
-    int sg, row;
-    locate(r, sg, row);
-    const float* bias = gemv1_pick(sg, b0, b1, b2, b3);
-    float* y = gemv1_pick(sg, y0, y1, y2, y3);
-    const int rows = gemv1_pick(sg, n0, n1, n2, n3);
-    const long at = (long)token * rows + row;
-    const float factor = pk_factor<F>(pk_planes<F>(gemv1_pick(sg, w0, w1, w2, w3), rows, K), rows, K);
-    y[at] = out[0] * factor + (bias ? bias[row] : 0.0f) + (sg == 0 && residual ? residual[at] : 0.0f);
+        for (int h = 0; h < 2; h++) {
+            int seg, n;
+            locate(tile, threadIdx.x % 32 / 4 + 8 * h, seg, n);
+            rows.set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, n0, n1, n2, n3), K, n);
+        }
+    };
+    auto finish = [&](int tile, float out) {
+        const int r = threadIdx.x % 16, token = threadIdx.x / 16;
+        if (token >= tokens || tile * 16 + r >= total) return;
+        int sg, row;
+        locate(tile, r, sg, row);
+        const float* bias = gemv1_pick(sg, b0, b1, b2, b3);
+        float* y = gemv1_pick(sg, y0, y1, y2, y3);
+        const int rows = gemv1_pick(sg, n0, n1, n2, n3);
+        const long at = (long)token * rows + row;
+        const float factor = pk_factor<F>(pk_planes<F>(gemv1_pick(sg, w0, w1, w2, w3), rows, K), rows, K);
+        y[at] = out * factor + (bias ? bias[row] : 0.0f) + (sg == 0 && residual ? residual[at] : 0.0f);
+    };
+    pk_rows_dot<F, TOKENS, SLOTS>(blockIdx.x, gridDim.x, (total + 15) / 16, rows_of, x, norm_w, eps, K, tokens, finish);
 }
 
-// As gemv1_gate_up_fp8 over packed weights, but a block's tile is 8 gate rows (as rows g) and the
-// same 8 up rows (as rows g + 8): one tile's registers, twice the blocks. Launch: grid ceil(N / 8).
+// As gemv1_gate_up_fp8 over packed weights, but a tile is 8 gate rows (as rows g) and the same 8
+// up rows (as rows g + 8): one tile's registers, twice the tiles. Block b takes the tiles b,
+// b + gridDim.x, ... of the ceil(N / 8) (pk_rows_dot). Launch: grid ceil(N / 8) or fewer.
 template <int F, int TOKENS, bool SLOTS>
 __device__ __forceinline__ void gemv1_gate_up_packed(const unsigned char* g, const unsigned char* u, const float* gate_bias,
                                                      const float* up_bias, const float* x, const float* norm_w, float eps,
                                                      float* out, int N, int K, int tokens) {
-    const int lane = threadIdx.x % 32, first = blockIdx.x * 8;
-    const int n_lane = first + lane / 4 < N ? first + lane / 4 : 0;
-    PkRows<F> tile[1];
-    tile[0].set(0, g, N, K, n_lane);
-    tile[0].set(1, u, N, K, n_lane);
-    float sum[1];
-    pk_rows_dot<F, 1, TOKENS, SLOTS>(tile, x, norm_w, eps, K, tokens, sum);
-    // Thread r + 16 n holds token n's sum of tile row r: the gate rows first + 0..7 at r < 8, their
-    // up rows at r >= 8. Whole warps stay for the shuffle.
-    if (threadIdx.x >= 32 * ((tokens + 1) / 2)) return;
-    const float up_sum = shfl(sum[0], (threadIdx.x + 8) % 32);
-    const int r = threadIdx.x % 16, token = threadIdx.x / 16, n = first + r;
-    if (r >= 8 || token >= tokens || n >= N) return;
-    const PkPlanes pg = pk_planes<F>(g, N, K), pu = pk_planes<F>(u, N, K);
-    const float gv = sum[0] * pk_factor<F>(pg, N, K) + (gate_bias ? gate_bias[n] : 0.0f);
-    const float uv = up_sum * pk_factor<F>(pu, N, K) + (up_bias ? up_bias[n] : 0.0f);
-    out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
+    auto rows_of = [&](int tile, PkRows<F>& rows) {
+        const int n = tile * 8 + threadIdx.x % 32 / 4;
+        rows.set(0, g, N, K, n < N ? n : 0);
+        rows.set(1, u, N, K, n < N ? n : 0);
+    };
+    // Thread r + 16 n holds token n's sum of tile row r: the gate rows 8 tile + 0..7 at r < 8,
+    // their up rows at r >= 8 (every thread takes part in the shuffle).
+    auto finish = [&](int tile, float sum) {
+        const float up_sum = shfl(sum, (threadIdx.x + 8) % 32);
+        const int r = threadIdx.x % 16, token = threadIdx.x / 16, n = tile * 8 + r;
+        if (r >= 8 || token >= tokens || n >= N) return;
+        const PkPlanes pg = pk_planes<F>(g, N, K), pu = pk_planes<F>(u, N, K);
+        const float gv = sum * pk_factor<F>(pg, N, K) + (gate_bias ? gate_bias[n] : 0.0f);
+        const float uv = up_sum * pk_factor<F>(pu, N, K) + (up_bias ? up_bias[n] : 0.0f);
+        out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
+    };
+    pk_rows_dot<F, TOKENS, SLOTS>(blockIdx.x, gridDim.x, (N + 7) / 8, rows_of, x, norm_w, eps, K, tokens, finish);
 }
 
 // The kernels of one format: gemv1_<name> and gemv1_gate_up_<name>, with gemv1_fp8's and

@@ -1811,7 +1811,8 @@ fn several_tokens_get_their_own_bits(
 
 /// Block formats (GGUF, NVFP4) too: their one-token kernels' `_tokens` forms take up to 8 tokens
 /// (on matrix cores one per column of the mma; several inputs without a norm read in place), each
-/// token with the bits it gets alone, within the packed GEMVs' 4e-3 of the CPU.
+/// token with the bits it gets alone, within the packed GEMVs' 4e-3 of the CPU; and a one-token
+/// block that takes several tiles gives each the bits a block of one would.
 #[test]
 fn packed_decode_kernels_give_each_of_several_tokens_its_own_bits() {
     let Some(g) = gpu() else { return };
@@ -1824,7 +1825,10 @@ fn packed_decode_kernels_give_each_of_several_tokens_its_own_bits() {
         // Rows of three runs leave the meta bytes of 2-byte and 1-byte formats unaligned for the
         // weight slots: one token takes the several-token kernel there.
         let short = format.is_none_or(|f| f.block_size() <= 32).then_some((12, 96));
-        for (n, k) in [(40, 512), (24, 2304)].into_iter().chain(short) {
+        // More tiles than an H100's or H200's SMs hold blocks (132 × 3): the one-token kernels'
+        // blocks take several tiles each, one or two slot-loads a tile.
+        let tall = [(6_600, 512), (3_400, 2304)];
+        for (n, k) in [(40, 512), (24, 2304)].into_iter().chain(short).chain(tall) {
             let seed = 500 + 10 * i as u64 + n as u64;
             let (wc, wg) = block_matrix_twice(format, n, k, seed);
             let (uc, ug) = block_matrix_twice(format, n, k, seed + 1);

@@ -157,10 +157,12 @@ impl GpuWeight {
     /// several-token kernel) outputs, or, on matrix cores, in blocks of 16 as FP8, reading it in
     /// place; fp8 stages it as f16 in whole 128-column blocks (fp8_rows_dot; several tokens of
     /// one tile without a norm read it in place), packed formats in whole 256-column steps
-    /// (pk_rows_dot; several tokens without a norm read it in place). `tiles`: 16-row tiles a
-    /// block takes (gemv1 1, gate/up 2): the FP8 one-tile kernel has weight slots where async
-    /// copies exist, so it is the largest launch (what the fits checks measure). `several`: the
-    /// several-token kernel (`gemv1_kernel`), whatever `tokens` this launch takes.
+    /// (pk_rows_dot; several tokens without a norm read it in place; the one-token kernels with
+    /// weight slots launch at most a wave of blocks, `packed_wave`, each taking several tiles).
+    /// `tiles`: 16-row tiles a block takes at once (gemv1 1, gate/up 2): the FP8 one-tile kernel
+    /// has weight slots where async copies exist, so it is the largest launch (what the fits
+    /// checks measure). `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens`
+    /// this launch takes.
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         let several = several || self.lacks_slots(dev);
         match self.format {
@@ -193,7 +195,13 @@ impl GpuWeight {
                     (true, true) => tokens * self.cols.div_ceil(PACKED_STEP) * PACKED_STEP * 2,
                     (true, false) => 0,
                 };
-                ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
+                // The one-token kernels with weight slots take several tiles a block where the
+                // tiles are more than one wave of blocks (pk_rows_dot): each block stages the input
+                // once and keeps its copies in flight from one tile to the next.
+                let tiles = blocks(rows, FP8_GEMV_ROWS);
+                let slots = !several && dev.async_copy && packed_slot_bytes(format, self.cols).is_some();
+                let grid = if slots { tiles.min(packed_wave(shared, dev)) } else { tiles };
+                ([grid, 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32)
             }
         }
     }
@@ -423,7 +431,7 @@ const GEMV_STATIC_SHARED: u32 = 256;
 /// The fp8 one-token kernels: output rows per block, threads, static shared memory (rounded up).
 const FP8_GEMV_ROWS: u32 = 16;
 const FP8_GEMV_THREADS: u32 = 256;
-const FP8_GEMV_STATIC_SHARED: u32 = 1_700;
+const FP8_GEMV_STATIC_SHARED: u32 = 2_300;
 /// The several-token kernels (gemv1_fp8_tokens, gemv1_gate_up_fp8_tokens and the packed formats'
 /// `_tokens` kernels), whose partial sums have room for GEMV1_TOKENS tokens.
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
@@ -488,6 +496,19 @@ fn packed_gemv_shared(format: GgmlFormat, cols: usize, async_copy: bool) -> usiz
 }
 /// Columns per step of the packed one-token kernels (PK_STEP).
 const PACKED_STEP: usize = 256;
+/// Blocks of the packed one-token kernels with weight slots that the device holds at once, each
+/// with `shared` bytes of dynamic shared memory: three an SM (their launch bounds, PK_BLOCKS) where
+/// the shared memory allows (an SM's being a block's limit + 1 KB, 1 KB of it kept per block, as
+/// on NVIDIA's sm_80 and later, the only devices with the slots); unbounded where the device does
+/// not say its SMs.
+fn packed_wave(shared: usize, dev: GemvDevice) -> u32 {
+    const PK_SLOT_BLOCKS: usize = 3;
+    if dev.multiprocessors == 0 {
+        return u32::MAX;
+    }
+    let per_sm = (dev.max_shared as usize + 1024) / (shared + FP8_GEMV_STATIC_SHARED as usize + 1024);
+    dev.multiprocessors * per_sm.clamp(1, PK_SLOT_BLOCKS) as u32
+}
 /// Decode attention: splits of at least this many cached positions, at most ATTENTION_MAX_SPLITS.
 const ATTENTION_CHUNK: usize = 256;
 const ATTENTION_MAX_SPLITS: usize = 128;
