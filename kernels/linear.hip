@@ -434,8 +434,8 @@ struct Fp8Stage {
 // scales; SLOTS slots take turns, all but one in flight. Unit u consumes block u of each
 // slot: the blocks, and the order, that the register pipeline gives it, so both give the same
 // bits. Rows are FP8_SLOT_ROW bytes apart (1 KB + 64) so that lanes reading rows g and g + 1 hit
-// different banks. The two-tile kernel (gate/up) keeps registers: its slots would leave room for
-// one block an SM, and its two tiles already keep twice the bytes in flight. Three slots, or two
+// different banks. Gate/up takes them as one tile of 8 gate rows and their 8 up rows
+// (gemv1_gate_up_fp8_paired): two tiles' slots would leave room for one block an SM. Three slots, or two
 // for long rows (gemv1_fp8_long): there three slots and the staged input leave room for two blocks
 // an SM, and a grid of a little more than a wave of them waits on its last blocks (an H200, the
 // Qwen3.6-27B down projection, K 17408: 38.2 us with three slots, 28.9 with two, three blocks an SM).
@@ -932,11 +932,52 @@ __device__ __forceinline__ void gemv1_gate_up_tiled_rows(const W* g, const W* u,
     out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
-// Two blocks per SM: the register budget that allows costs a few bytes of spill (two tiles of loads in flight).
+// One token where async copies exist: a block's one tile is 8 gate rows (as rows g) and the same
+// 8 up rows (as rows g + 8), streamed through Fp8Async's SLOTS slots as gemv1_fp8's are (the two
+// tiles' slots would leave one block an SM). A row's sum does not depend on the tile row it takes,
+// so each output gets the bits of gemv1_gate_up_fp8_tokens. Launch: grid ceil(N / 8).
+template <int SLOTS>
+__device__ __forceinline__ void gemv1_gate_up_fp8_paired(const unsigned char* g, const unsigned char* u, const float* sg,
+                                                         const float* su, const float* gate_bias, const float* up_bias,
+                                                         const float* x, const float* norm_w, float eps, float* out,
+                                                         int N, int K) {
+    const int mine = blockIdx.x * 8 + threadIdx.x % 32 / 4, n_lane = mine < N ? mine : 0;
+    Fp8Rows tile[1];
+    tile[0].set(0, g, sg, n_lane, K);
+    tile[0].set(1, u, su, n_lane, K);
+    float sum[1] = {0.0f};
+    rows_dot<1, 1, SLOTS>(tile, x, norm_w, eps, K, 1, sum);
+    // Thread r (< 16) holds tile row r: gate row 8 blockIdx.x + r at r < 8, its up row at r + 8.
+    if (threadIdx.x >= 32) return;
+    const float up_sum = shfl(sum[0], (threadIdx.x + 8) % 32);
+    const int n = blockIdx.x * 8 + threadIdx.x;
+    if (threadIdx.x >= 8 || n >= N) return;
+    const float gv = sum[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = up_sum + (up_bias ? up_bias[n] : 0.0f);
+    out[n] = gv / (1.0f + expf(-gv)) * uv;
+}
+
+#if ASYNC_COPY
+// Three blocks an SM, as gemv1_fp8.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 3) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
+                                    const float* su, const float* gate_bias, const float* up_bias, const float* x,
+                                    const float* norm_w, float eps, float* out, int N, int K) {
+    gemv1_gate_up_fp8_paired<FP8_ASYNC_SLOTS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K);
+}
+#else
+// Without async copies, two tiles of 16 rows (gate and up) in registers, grid ceil(N / 16). Two
+// blocks per SM: the register budget that allows costs a few bytes of spill (two tiles of loads in flight).
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
                                     const float* su, const float* gate_bias, const float* up_bias, const float* x,
                                     const float* norm_w, float eps, float* out, int N, int K) {
     gemv1_gate_up_tiled_rows<Fp8Rows, unsigned char, 1>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+}
+#endif
+
+// Two slots for long rows, as gemv1_fp8_long (launched only where async copies exist).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 3) gemv1_gate_up_fp8_long(const unsigned char* g, const unsigned char* u, const float* sg,
+                                    const float* su, const float* gate_bias, const float* up_bias, const float* x,
+                                    const float* norm_w, float eps, float* out, int N, int K) {
+    gemv1_gate_up_fp8_paired<FP8_ASYNC_SLOTS_LONG>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K);
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)

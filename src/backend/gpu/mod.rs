@@ -159,10 +159,11 @@ impl GpuWeight {
     /// one tile without a norm read it in place), packed formats in whole 256-column steps
     /// (pk_rows_dot; several tokens without a norm read it in place; the one-token kernels with
     /// weight slots launch at most a wave of blocks, `packed_wave`, each taking several tiles).
-    /// `tiles`: 16-row tiles a block takes at once (gemv1 1, gate/up 2): the FP8 one-tile kernel
-    /// has weight slots where async copies exist, so it is the largest launch (what the fits
-    /// checks measure). `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens`
-    /// this launch takes.
+    /// `tiles`: 16-row tiles a block takes at once (gemv1 1; gate/up 2, or 1 for FP8's one-token
+    /// kernel where it pairs 8 gate rows with their up rows): the FP8 one-tile kernels have weight
+    /// slots where async copies exist, so they are the largest launch (what the fits checks
+    /// measure). `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens` this
+    /// launch takes.
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         let several = several || self.lacks_slots(dev);
         match self.format {
@@ -263,13 +264,13 @@ impl GpuWeight {
         self.is_fp8() && dev.async_copy && dev.multiprocessors > 0 && per_sm >= 3 && filled(3) > filled(2) + 0.1
     }
 
-    /// The kernel for `tokens` rows of input (a launch of `group` of them) and `rows` outputs
-    /// from its stem ("gemv1", "gemv1_gate_up"), and the token count argument that the
+    /// The kernel for `tokens` rows of input (a launch of `group` of them) and `rows` weight rows
+    /// (gate/up's paired tiles count both) from its stem ("gemv1", "gemv1_gate_up"), and the token count argument that the
     /// several-token kernels take after the others.
     fn gemv1_kernel(&self, stem: &str, tokens: usize, group: usize, rows: usize, normed: bool, dev: GemvDevice) -> (String, Option<Arg>) {
         let name = match self.format {
             WeightFormat::Bf16 if dev.bf16_mma => format!("{}_mma", self.kernel(stem)),
-            WeightFormat::Fp8 { .. } if stem == "gemv1" && tokens == 1 && dev.async_copy && fp8_slots(self.cols, rows, dev) == FP8_ASYNC_SLOTS_LONG => {
+            WeightFormat::Fp8 { .. } if tokens == 1 && dev.async_copy && fp8_slots(self.cols, rows, dev) == FP8_ASYNC_SLOTS_LONG => {
                 format!("{}_long", self.kernel(stem))
             }
             _ => self.kernel(stem),
@@ -1541,11 +1542,18 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tokens, g.rows, true, self.gemv_device());
+            // The packed kernels, and FP8's one-token kernel where it has weight slots, take 8 gate
+            // rows and their 8 up rows a block (as 16 rows of one tile); FP8's others two tiles
+            // of 16 rows.
+            let dev = self.gemv_device();
+            let (tile_rows, tiles) = match g.format {
+                WeightFormat::Packed(_) => (2 * g.rows, 2),
+                WeightFormat::Fp8 { .. } if x.rows == 1 && dev.async_copy => (2 * g.rows, 1),
+                _ => (g.rows, 2),
+            };
+            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tokens, tile_rows, true, dev);
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            // The packed kernels take 8 gate rows and their 8 up rows a block (as 16 rows of one tile).
-            let tile_rows = if matches!(g.format, WeightFormat::Packed(_)) { 2 * g.rows } else { g.rows };
-            let (grid, block, shared) = g.gemv1_launch(tile_rows, 2, true, tokens, x.rows > 1, self.gemv_device());
+            let (grid, block, shared) = g.gemv1_launch(tile_rows, tiles, true, tokens, x.rows > 1, dev);
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(out)
