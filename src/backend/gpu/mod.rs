@@ -265,8 +265,8 @@ impl GpuWeight {
     }
 
     /// The kernel for `tokens` rows of input (a launch of `group` of them) and `rows` weight rows
-    /// (gate/up's paired tiles count both) from its stem ("gemv1", "gemv1_gate_up"), and the token count argument that the
-    /// several-token kernels take after the others.
+    /// (gate/up's paired tiles count both) from its stem ("gemv1", "gemv1_gate_up"), and the
+    /// token count argument that the several-token kernels take after the others.
     fn gemv1_kernel(&self, stem: &str, tokens: usize, group: usize, rows: usize, normed: bool, dev: GemvDevice) -> (String, Option<Arg>) {
         let name = match self.format {
             WeightFormat::Bf16 if dev.bf16_mma => format!("{}_mma", self.kernel(stem)),
