@@ -1024,6 +1024,179 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     gemv1_gate_up_tiled_rows<Bf16Rows, bf16, GEMV1_TOKENS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K,
                                                            tokens);
 }
+
+// Several tokens of bf16 on matrix cores, a block for each unit's share of K (sequences decoding
+// together). The kernels above read every token's whole input in each block of 16 rows: for eight
+// tokens as many bytes (f32, from L2) as the block's weights. Here block (b, u) takes unit u's
+// share of K (the 64-column blocks u, u + FP8_UNITS, ... that unit u of the kernels above takes)
+// of SPLIT_TILES tiles, a tile a warp, and stages that share of every token's input in shared
+// memory once for all of them. Each warp runs unit u's products in unit u's order, so its sums are
+// the per-unit sums of the kernels above; they go to `part` ([FP8_UNITS][tokens][rows of the
+// grid]), each row group's squares after them ([groups][FP8_UNITS][GEMV1_TOKENS]), and the last of
+// a row group's FP8_UNITS blocks to finish (a ticket, left at zero) adds them in unit order and
+// finishes the rows as the kernels above do: each token gets the bits of gemv1_bf16_mma alone.
+// Launch: grid (ceil(tile rows / (16 SPLIT_TILES)), FP8_UNITS), block SPLIT_TILES * 32, dynamic
+// shared memory tokens * (64 ceil(ceil(K / 64) / FP8_UNITS) + 4) floats. Needs K % 8 == 0.
+#define SPLIT_TILES 8
+
+// The warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K; leaves
+// the unit's sums in `part` and its squares after them, and returns true in the block that
+// finishes the row group (after every unit's sums have landed).
+__device__ __forceinline__ bool bf16_split_dot(const Bf16Rows& tile, const float* x, const float* norm_w, int K,
+                                               int tokens, float* part, int* tickets) {
+    extern __shared__ __attribute__((aligned(16))) float split_x[];
+    __shared__ bool is_last;
+    const int unit = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
+    const int share = (kblocks + FP8_UNITS - 1) / FP8_UNITS, stride = share * 64 + 4;  // +4: tokens over banks
+    struct Stage {
+        uint4 w[2][2];  // [row g, g + 8][chunk t, t + 4]
+    } st[2];
+    auto fetch = [&](Stage& s, int kb) {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int c = kb * 8 + j * 4 + t;
+                s.w[h][j] = c < chunks ? tile.w[h][c] : make_uint4(0, 0, 0, 0);
+            }
+    };
+    pdl_launch_dependents();
+    pipeline_fill(st, unit, FP8_UNITS, fetch);
+    pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
+    // Token n's column block m of the share (K block unit + FP8_UNITS m) at split_x[n * stride + 64 m].
+    for (int p = threadIdx.x; p < tokens * share * 16; p += blockDim.x) {
+        const int n = p / (share * 16), m = p / 16 % share, col = (unit + FP8_UNITS * m) * 64 + p % 16 * 4;
+        async_copy16(split_x + n * stride + m * 64 + p % 16 * 4, x + (long)n * K + (col < K ? col : 0), col < K);
+    }
+    async_commit();
+    async_wait<0>();
+    __syncthreads();
+    // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
+    const float* xs = split_x + (g < tokens ? g : 0) * stride;
+    const float4* wt = (const float4*)norm_w;
+    float acc[2][4] = {};  // [hi, lo chain][mma accumulator]
+    float ss = 0.0f;
+    auto consume = [&](const Stage& s, int kb) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int c = kb * 8 + j * 4 + t;
+            const float4* v4 = (const float4*)(xs + kb / FP8_UNITS * 64 + (j * 4 + t) * 8);
+            float4 a = v4[0], b = v4[1];
+            if (wt) {
+                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
+                if (c < chunks) {
+                    const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
+                    a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
+                    b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+                }
+            }
+            const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            unsigned int hi[4], lo[4];
+            bf16_split8(xc, hi, lo);
+            const uint4 rg = s.w[0][j], rg8 = s.w[1][j];
+            bf16_rows_mma(acc[0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
+            bf16_rows_mma(acc[0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
+            bf16_rows_mma(acc[1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
+            bf16_rows_mma(acc[1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
+        }
+    };
+    pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
+    const int rows = gridDim.x * SPLIT_TILES * 16, row = (blockIdx.x * SPLIT_TILES + warp) * 16 + g;
+#pragma unroll
+    for (int col = 0; col < 2; col++) {
+        const int n = 2 * t + col;
+        if (n < tokens) {
+            part[(long)(unit * tokens + n) * rows + row] = acc[0][col] + acc[1][col];
+            part[(long)(unit * tokens + n) * rows + row + 8] = acc[0][2 + col] + acc[1][2 + col];
+        }
+    }
+    ss += shfl_xor(ss, 1);
+    ss += shfl_xor(ss, 2);
+    float* squares = part + (long)FP8_UNITS * tokens * rows;
+    if (warp == 0 && t == 0 && g < tokens) squares[(blockIdx.x * FP8_UNITS + unit) * GEMV1_TOKENS + g] = ss;
+    // Publish the sums, then take a ticket: the row group's last unit finishes it.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&tickets[blockIdx.x], 1) == FP8_UNITS - 1;
+    __syncthreads();
+    if (!is_last) return false;
+    __threadfence();
+    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
+    return true;
+}
+
+// Token n's total for row `row` of the grid (its units' sums in unit order) times its norm's scale
+// (1 without a norm), as rows_dot finishes them.
+__device__ __forceinline__ float bf16_split_total(const float* part, const float* norm_w, float eps, int K, int tokens,
+                                                  int n, int row) {
+    const int rows = gridDim.x * SPLIT_TILES * 16;
+    const volatile float* sums = part;
+    const volatile float* squares = part + (long)FP8_UNITS * tokens * rows + blockIdx.x * FP8_UNITS * GEMV1_TOKENS;
+    float s = 1.0f;
+    if (norm_w) {
+        float total = 0.0f;
+        for (int u = 0; u < FP8_UNITS; u++) total += squares[u * GEMV1_TOKENS + n];
+        s = rsqrtf(total / K + eps);
+    }
+    float total = 0.0f;
+    for (int u = 0; u < FP8_UNITS; u++) total += sums[(long)(u * tokens + n) * rows + row];
+    return total * s;
+}
+
+// As gemv1_bf16_mma_tokens (its arguments, then the partial sums and the tickets).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_bf16_mma_split(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                         const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                         const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
+                         int n2, int n3, const float* x, const float* norm_w, float eps, const float* residual, int K,
+                         int tokens, float* part, int* tickets) {
+    const int total = n0 + n1 + n2 + n3, first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16;
+    Bf16Rows tile;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = first + threadIdx.x % 32 / 4 + 8 * h;
+        int seg, n;
+        gemv1_segment(r < total ? r : 0, n0, n1, n2, seg, n);
+        tile.set(h, gemv1_pick(seg, w0, w1, w2, w3), nullptr, n, K);
+    }
+    if (!bf16_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    const int group_rows = SPLIT_TILES * 16;
+    for (int i = threadIdx.x; i < tokens * group_rows; i += blockDim.x) {
+        const int token = i / group_rows, r = blockIdx.x * group_rows + i % group_rows;
+        if (r >= total) continue;
+        int seg, n;
+        gemv1_segment(r, n0, n1, n2, seg, n);
+        const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
+        const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
+        const float out = bf16_split_total(part, norm_w, eps, K, tokens, token, r);
+        gemv1_pick(seg, y0, y1, y2, y3)[at] = out + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
+    }
+}
+
+// As gemv1_gate_up_bf16_mma_tokens; a warp's tile is 8 gate rows (as rows g) and their up rows (as
+// rows g + 8), so a row group holds both halves of its 8 SPLIT_TILES outputs (grid ceil(N / 64)).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_gate_up_bf16_mma_split(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                 const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,
+                                 float eps, float* out, int N, int K, int tokens, float* part, int* tickets) {
+    const int first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8, mine = first + threadIdx.x % 32 / 4;
+    Bf16Rows tile;
+    tile.set(0, g, nullptr, mine < N ? mine : 0, K);
+    tile.set(1, u, nullptr, mine < N ? mine : 0, K);
+    if (!bf16_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    const int outputs = SPLIT_TILES * 8;
+    for (int i = threadIdx.x; i < tokens * outputs; i += blockDim.x) {
+        const int token = i / outputs, o = i % outputs, n = blockIdx.x * outputs + o;
+        if (n >= N) continue;
+        const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
+        const float gv = bf16_split_total(part, norm_w, eps, K, tokens, token, row) + (gate_bias ? gate_bias[n] : 0.0f);
+        const float uv = bf16_split_total(part, norm_w, eps, K, tokens, token, row + 8) + (up_bias ? up_bias[n] : 0.0f);
+        out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
 #endif
 
 // Block formats in the device layout (common/packed.h) on matrix cores, shaped as the FP8 kernels:

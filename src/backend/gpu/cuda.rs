@@ -83,7 +83,14 @@ pub(crate) const KERNELS: [&str; 142] = [
 ];
 
 /// Kernels that exist only where mma.sync does (kernels/linear.hip's BF16_ROWS_MMA, sm_80+).
-const MMA_KERNELS: [&str; 4] = ["gemv1_bf16_mma", "gemv1_bf16_mma_tokens", "gemv1_gate_up_bf16_mma", "gemv1_gate_up_bf16_mma_tokens"];
+const MMA_KERNELS: [&str; 6] = [
+    "gemv1_bf16_mma",
+    "gemv1_bf16_mma_tokens",
+    "gemv1_bf16_mma_split",
+    "gemv1_gate_up_bf16_mma",
+    "gemv1_gate_up_bf16_mma_tokens",
+    "gemv1_gate_up_bf16_mma_split",
+];
 
 /// Kernels that exist only where wgmma does (kernels/gemm.hip, sm_90a).
 const WGMMA_KERNELS: [&str; 3] = ["gemm_wg_bf16", "gemm_wg_fp8", "gemm_wg_packed"];

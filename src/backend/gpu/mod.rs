@@ -168,6 +168,11 @@ impl GpuWeight {
         let several = several || self.lacks_slots(dev);
         match self.format {
             WeightFormat::Bf16 => {
+                if self.bf16_split(rows, several, dev) {
+                    let share = self.cols.div_ceil(64).div_ceil(SPLIT_UNITS);
+                    let grid = [rows.div_ceil(16 * SPLIT_TILES) as u32, SPLIT_UNITS as u32, 1];
+                    return (grid, [32 * SPLIT_TILES as u32, 1, 1], (tokens * (share * 64 + 4) * 4) as u32);
+                }
                 if dev.bf16_mma {
                     return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], 0);
                 }
@@ -240,6 +245,14 @@ impl GpuWeight {
             .unwrap_or(0)
     }
 
+    /// Whether several tokens of this weight take the bf16 split kernels (`rows` tile rows): bf16
+    /// on matrix cores, a row group's ticket for each 16 SPLIT_TILES rows. Each block stages its
+    /// unit's share of the inputs once for SPLIT_TILES tiles, where the `_tokens` kernels read
+    /// all of every token's input for each tile (kernels/linear.hip); a token gets the same bits.
+    fn bf16_split(&self, rows: usize, several: bool, dev: GemvDevice) -> bool {
+        self.is_bf16() && dev.bf16_mma && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
+    }
+
     /// Whether this packed weight's one-token kernels need weight slots that its rows cannot have
     /// (packed_slots_unfit): a single token then takes the several-token kernel, which gives it
     /// the same bits.
@@ -278,6 +291,7 @@ impl GpuWeight {
         let async_tokens = stem == "gemv1" && self.fp8_tokens_async(group, rows, normed, dev);
         match tokens {
             1 if !self.lacks_slots(dev) => (name, None),
+            _ if self.bf16_split(rows, true, dev) => (format!("{name}_split"), Some(Arg::I32(tokens as i32))),
             _ if async_tokens => (format!("{name}_tokens_async"), Some(Arg::I32(tokens as i32))),
             _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
@@ -438,6 +452,12 @@ const FP8_GEMV_STATIC_SHARED: u32 = 2_300;
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
 /// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
 const GEMV1_TOKENS: usize = 8;
+/// The bf16 split kernels (gemv1_bf16_mma_split, kernels/linear.hip): the units sharing K (a block
+/// each), the 16-row tiles of a row group (a warp each), and the most row groups a launch may have
+/// (one ticket each in `Scratch`).
+const SPLIT_UNITS: usize = 8;
+const SPLIT_TILES: usize = 8;
+const SPLIT_MAX_GROUPS: usize = 16_384;
 /// The FP8 one-token, one-tile kernel's weight slots in shared memory (kernels/linear.hip's
 /// Fp8Async): FP8_ASYNC_SLOTS of them, each 16 rows of FP8_SLOT_ROW bytes and FP8_SLOT_SCALES
 /// floats.
@@ -542,7 +562,8 @@ impl Scratch {
     const DRAW_TICKET: u64 = Self::LOGZ_OUT + 2 * 4;
     const DRAW_PART: u64 = Self::DRAW_TICKET + 4;
     const DRAW_OUT: u64 = Self::DRAW_PART + 2 * DRAW_BLOCKS as u64 * 4;
-    const BYTES: usize = (Self::DRAW_OUT + 4) as usize;
+    const SPLIT_TICKETS: u64 = Self::DRAW_OUT + 4;
+    const BYTES: usize = (Self::SPLIT_TICKETS + SPLIT_MAX_GROUPS as u64 * 4) as usize;
 }
 
 fn blocks(n: usize, per: u32) -> u32 {
@@ -707,10 +728,26 @@ impl GpuBackend {
             // which gives it the same bits.
             let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, tokens, rows, norm.is_some(), self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
+            let split = self.split_partials(w, rows, tokens, x.rows > 1)?;
+            args.extend(split.iter().flat_map(|s| s.1));
             let (grid, block, shared) = w.gemv1_launch(rows, 1, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(())
+    }
+
+    /// The bf16 split kernels' last two arguments where `w` takes them for `tokens` tokens of
+    /// `rows` tile rows (`GpuWeight::bf16_split`): a temporary for each unit's sums and squares
+    /// ([units][tokens][rows of the grid], then [groups][units][GEMV1_TOKENS]) and the row
+    /// groups' tickets. The buffer must outlive the launch.
+    fn split_partials(&self, w: &GpuWeight, rows: usize, tokens: usize, several: bool) -> Result<Option<(DeviceBuffer, [Arg; 2])>> {
+        if !w.bf16_split(rows, several, self.gemv_device()) {
+            return Ok(None);
+        }
+        let groups = rows.div_ceil(16 * SPLIT_TILES);
+        let part = self.scratch(byte_size("split partial sums", &[SPLIT_UNITS, groups, 16 * SPLIT_TILES * tokens + GEMV1_TOKENS, 4])?)?;
+        let args = [Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS)];
+        Ok(Some((part, args)))
     }
 
     /// `y = x · wᵀ (+ bias) (+ residual)` for any number of rows; `residual` may be `y` itself.
@@ -1542,17 +1579,20 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            // The packed kernels, and FP8's one-token kernel where it has weight slots, take 8 gate
-            // rows and their 8 up rows a block (as 16 rows of one tile); FP8's others two tiles
-            // of 16 rows.
+            // The packed kernels, FP8's one-token kernel where it has weight slots and bf16's split
+            // kernel take 8 gate rows and their 8 up rows a tile (as 16 rows); the others two
+            // tiles of 16 rows.
             let dev = self.gemv_device();
             let (tile_rows, tiles) = match g.format {
                 WeightFormat::Packed(_) => (2 * g.rows, 2),
                 WeightFormat::Fp8 { .. } if x.rows == 1 && dev.async_copy => (2 * g.rows, 1),
+                WeightFormat::Bf16 if g.bf16_split(2 * g.rows, x.rows > 1, dev) => (2 * g.rows, 1),
                 _ => (g.rows, 2),
             };
             let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tokens, tile_rows, true, dev);
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
+            let split = self.split_partials(g, tile_rows, tokens, x.rows > 1)?;
+            args.extend(split.iter().flat_map(|s| s.1));
             let (grid, block, shared) = g.gemv1_launch(tile_rows, tiles, true, tokens, x.rows > 1, dev);
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
