@@ -1039,13 +1039,48 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
 // shared memory tokens * (64 ceil(ceil(K / 64) / FP8_UNITS) + 4) floats. Needs K % 8 == 0.
 #define SPLIT_TILES 8
 
+// Lane (g, t)'s sums of its warp's tile rows g and g + 8 (row_g, row_g8) for tokens 2t and 2t + 1,
+// the unit blockIdx.y's, to `part`; then the row group's ticket: true in the block that finishes
+// the group, once every unit's sums (and whatever its threads wrote before) have landed.
+__device__ __forceinline__ bool split_publish(const float (&row_g)[2], const float (&row_g8)[2], int tokens, float* part,
+                                              int* tickets) {
+    __shared__ bool is_last;
+    const int unit = blockIdx.y, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int rows = gridDim.x * SPLIT_TILES * 16, row = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16 + g;
+#pragma unroll
+    for (int col = 0; col < 2; col++) {
+        const int n = 2 * t + col;
+        if (n < tokens) {
+            part[(long)(unit * tokens + n) * rows + row] = row_g[col];
+            part[(long)(unit * tokens + n) * rows + row + 8] = row_g8[col];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&tickets[blockIdx.x], 1) == FP8_UNITS - 1;
+    __syncthreads();
+    if (!is_last) return false;
+    __threadfence();
+    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
+    return true;
+}
+
+// Token n's sums of row `row` of the grid, added in unit order (as the one-token kernels add their
+// units' sums).
+__device__ __forceinline__ float split_sum(const float* part, int tokens, int n, int row) {
+    const volatile float* sums = part;
+    const int rows = gridDim.x * SPLIT_TILES * 16;
+    float total = 0.0f;
+    for (int u = 0; u < FP8_UNITS; u++) total += sums[(long)(u * tokens + n) * rows + row];
+    return total;
+}
+
 // The warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K; leaves
 // the unit's sums in `part` and its squares after them, and returns true in the block that
 // finishes the row group (after every unit's sums have landed).
 __device__ __forceinline__ bool bf16_split_dot(const Bf16Rows& tile, const float* x, const float* norm_w, int K,
                                                int tokens, float* part, int* tickets) {
     extern __shared__ __attribute__((aligned(16))) float split_x[];
-    __shared__ bool is_last;
     const int unit = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
     const int share = (kblocks + FP8_UNITS - 1) / FP8_UNITS, stride = share * 64 + 4;  // +4: tokens over banks
@@ -1104,28 +1139,13 @@ __device__ __forceinline__ bool bf16_split_dot(const Bf16Rows& tile, const float
         }
     };
     pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
-    const int rows = gridDim.x * SPLIT_TILES * 16, row = (blockIdx.x * SPLIT_TILES + warp) * 16 + g;
-#pragma unroll
-    for (int col = 0; col < 2; col++) {
-        const int n = 2 * t + col;
-        if (n < tokens) {
-            part[(long)(unit * tokens + n) * rows + row] = acc[0][col] + acc[1][col];
-            part[(long)(unit * tokens + n) * rows + row + 8] = acc[0][2 + col] + acc[1][2 + col];
-        }
-    }
     ss += shfl_xor(ss, 1);
     ss += shfl_xor(ss, 2);
-    float* squares = part + (long)FP8_UNITS * tokens * rows;
+    float* squares = part + (long)FP8_UNITS * tokens * gridDim.x * SPLIT_TILES * 16;
     if (warp == 0 && t == 0 && g < tokens) squares[(blockIdx.x * FP8_UNITS + unit) * GEMV1_TOKENS + g] = ss;
-    // Publish the sums, then take a ticket: the row group's last unit finishes it.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(&tickets[blockIdx.x], 1) == FP8_UNITS - 1;
-    __syncthreads();
-    if (!is_last) return false;
-    __threadfence();
-    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
-    return true;
+    const float row_g[2] = {acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]};
+    const float row_g8[2] = {acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]};
+    return split_publish(row_g, row_g8, tokens, part, tickets);
 }
 
 // Token n's total for row `row` of the grid (its units' sums in unit order) times its norm's scale
@@ -1133,7 +1153,6 @@ __device__ __forceinline__ bool bf16_split_dot(const Bf16Rows& tile, const float
 __device__ __forceinline__ float bf16_split_total(const float* part, const float* norm_w, float eps, int K, int tokens,
                                                   int n, int row) {
     const int rows = gridDim.x * SPLIT_TILES * 16;
-    const volatile float* sums = part;
     const volatile float* squares = part + (long)FP8_UNITS * tokens * rows + blockIdx.x * FP8_UNITS * GEMV1_TOKENS;
     float s = 1.0f;
     if (norm_w) {
@@ -1141,9 +1160,7 @@ __device__ __forceinline__ float bf16_split_total(const float* part, const float
         for (int u = 0; u < FP8_UNITS; u++) total += squares[u * GEMV1_TOKENS + n];
         s = rsqrtf(total / K + eps);
     }
-    float total = 0.0f;
-    for (int u = 0; u < FP8_UNITS; u++) total += sums[(long)(u * tokens + n) * rows + row];
-    return total * s;
+    return split_sum(part, tokens, n, row) * s;
 }
 
 // As gemv1_bf16_mma_tokens (its arguments, then the partial sums and the tickets).
@@ -1194,6 +1211,134 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
         const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
         const float gv = bf16_split_total(part, norm_w, eps, K, tokens, token, row) + (gate_bias ? gate_bias[n] : 0.0f);
         const float uv = bf16_split_total(part, norm_w, eps, K, tokens, token, row + 8) + (up_bias ? up_bias[n] : 0.0f);
+        out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+// FP8 weights split as the bf16 kernels above (FP8_ROWS_MMA holds where BF16_ROWS_MMA does): block
+// (b, u) stages unit u's share of every token's input as f16 as fp8_gemv_input would (times
+// norm_w, times 2^-FP8_X_SHIFT) and its warps run unit u's products of fp8_rows_dot in its order.
+// A norm's scale needs the sum of squares of a token's whole input, in the one-token kernel's
+// order: token_rms_scale computes it in a launch before (`norms` [tokens]; null without a norm).
+// Dynamic shared memory: tokens * (ceil(ceil(K / 128) / FP8_UNITS) * 256 + 16) bytes. K % 16 == 0.
+__device__ __forceinline__ bool fp8_split_dot(const Fp8Rows& tile, const float* x, const float* norm_w, int K,
+                                              int tokens, float* part, int* tickets) {
+    extern __shared__ __attribute__((aligned(16))) uint4 split_x8[];
+    const int unit = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, chunks = K / 16;
+    const int share = (kblocks + FP8_UNITS - 1) / FP8_UNITS, stride = share * 16 + 1;  // uint4; +1: tokens over banks
+    const Fp8Rows tiles[1] = {tile};
+    Fp8Stage<1> st[2];
+    auto fetch = [&](Fp8Stage<1>& s, int kb) { s.fetch(tiles, kb, kblocks, chunks, t); };
+    pdl_launch_dependents();
+    pipeline_fill(st, unit, FP8_UNITS, fetch);
+    pdl_wait();  // weights are constant; x, the norms and the outputs belong to the previous kernels
+    // Token n's four columns q of share block m (K block unit + FP8_UNITS m) as two f16 pairs.
+    uint2* staged = (uint2*)split_x8;
+    for (int p = threadIdx.x; p < tokens * share * 32; p += blockDim.x) {
+        const int n = p / (share * 32), m = p / 32 % share, q = p % 32, col = (unit + FP8_UNITS * m) * FP8_BLOCK + q * 4;
+        uint2 v = make_uint2(0u, 0u);
+        if (col < K) {
+            float4 a = *(const float4*)(x + (long)n * K + col);
+            if (norm_w) {
+                const float4 w = *(const float4*)(norm_w + col);
+                a = make_float4(a.x * w.x, a.y * w.y, a.z * w.z, a.w * w.w);
+            }
+            v = make_uint2(fp8_x_pair(a.x, a.y), fp8_x_pair(a.z, a.w));
+        }
+        staged[n * stride * 2 + m * 32 + q] = v;
+    }
+    __syncthreads();
+    // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
+    const uint4* xs = split_x8 + (g < tokens ? g : 0) * stride;
+    float acc[2][2] = {};  // [row g, g + 8][column 2t, 2t + 1]
+    auto consume = [&](const Fp8Stage<1>& s, int kb) {
+        float c[2][4] = {};  // [chunk t, t + 4][mma accumulator]: two shorter chains, as fp8_rows_dot
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint4 lo = xs[kb / FP8_UNITS * 16 + (j * 4 + t) * 2], hi = xs[kb / FP8_UNITS * 16 + (j * 4 + t) * 2 + 1];
+            const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            const uint4 a = s.w[0][0][j], b = s.w[0][1][j];
+            const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int u = 0; u < 4; u++) fp8_rows_mma(c[j], wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
+        }
+#pragma unroll
+        for (int col = 0; col < 2; col++) {
+            acc[0][col] += (c[0][col] + c[1][col]) * s.scale[0][0];
+            acc[1][col] += (c[0][2 + col] + c[1][2 + col]) * s.scale[0][1];
+        }
+    };
+    pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
+    return split_publish(acc[0], acc[1], tokens, part, tickets);
+}
+
+// fp8_rows_dot's factor for token n: 2^FP8_X_SHIFT, times its norm's scale.
+__device__ __forceinline__ float fp8_split_scale(const float* norms, int n) {
+    float s = 1 << FP8_X_SHIFT;
+    if (norms) s *= norms[n];
+    return s;
+}
+
+// rsqrt(mean(x^2) + eps) of each token's input (grid tokens, block FP8_UNITS * 32), its sum of
+// squares taken as fp8_gemv_input takes it in the one-token kernel (the same threads, the same bits).
+ATLAS_KERNEL void token_rms_scale(const float* x, const float* norm_w, float eps, int K, float* out) {
+    __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
+    const float ss = stage_input4(x + (long)blockIdx.x * K, norm_w, K, [](int, float4) {});
+    const float total = block_sum(ss, scratch);
+    if (threadIdx.x == 0) out[blockIdx.x] = rsqrtf(total / K + eps);
+}
+
+// As gemv1_fp8_tokens (its arguments, then the partial sums, the tickets and the norms' scales).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_fp8_split(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const unsigned char* w3,
+                    const float* s0, const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                    const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
+                    int n3, const float* x, const float* norm_w, float eps, const float* residual, int K, int tokens,
+                    float* part, int* tickets, const float* norms) {
+    const int total = n0 + n1 + n2 + n3, first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16;
+    Fp8Rows tile;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = first + threadIdx.x % 32 / 4 + 8 * h;
+        int seg, n;
+        gemv1_segment(r < total ? r : 0, n0, n1, n2, seg, n);
+        tile.set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
+    }
+    if (!fp8_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    const int group_rows = SPLIT_TILES * 16;
+    for (int i = threadIdx.x; i < tokens * group_rows; i += blockDim.x) {
+        const int token = i / group_rows, r = blockIdx.x * group_rows + i % group_rows;
+        if (r >= total) continue;
+        int seg, n;
+        gemv1_segment(r, n0, n1, n2, seg, n);
+        const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
+        const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
+        const float out = split_sum(part, tokens, token, r) * fp8_split_scale(norms, token);
+        gemv1_pick(seg, y0, y1, y2, y3)[at] = out + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
+    }
+}
+
+// As gemv1_gate_up_fp8_tokens, with gemv1_gate_up_bf16_mma_split's tiles (grid ceil(N / 64)).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_gate_up_fp8_split(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
+                            const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
+                            float* out, int N, int K, int tokens, float* part, int* tickets, const float* norms) {
+    const int first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8, mine = first + threadIdx.x % 32 / 4;
+    Fp8Rows tile;
+    tile.set(0, g, sg, mine < N ? mine : 0, K);
+    tile.set(1, u, su, mine < N ? mine : 0, K);
+    if (!fp8_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    const int outputs = SPLIT_TILES * 8;
+    for (int i = threadIdx.x; i < tokens * outputs; i += blockDim.x) {
+        const int token = i / outputs, o = i % outputs, n = blockIdx.x * outputs + o;
+        if (n >= N) continue;
+        const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
+        const float s = fp8_split_scale(norms, token);
+        const float gv = split_sum(part, tokens, token, row) * s + (gate_bias ? gate_bias[n] : 0.0f);
+        const float uv = split_sum(part, tokens, token, row + 8) * s + (up_bias ? up_bias[n] : 0.0f);
         out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
     }
 }

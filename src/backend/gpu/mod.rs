@@ -167,12 +167,14 @@ impl GpuWeight {
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         let several = several || self.lacks_slots(dev);
         match self.format {
+            _ if self.split(rows, several, dev) => {
+                // A unit's share of each token's input: f32 (bf16) or f16 (FP8), 16 bytes more.
+                let (block, bytes) = if self.is_fp8() { (FP8_BLOCK, 2) } else { (64, 4) };
+                let share = self.cols.div_ceil(block).div_ceil(SPLIT_UNITS) * block;
+                let grid = [rows.div_ceil(16 * SPLIT_TILES) as u32, SPLIT_UNITS as u32, 1];
+                (grid, [32 * SPLIT_TILES as u32, 1, 1], (tokens * (share * bytes + 16)) as u32)
+            }
             WeightFormat::Bf16 => {
-                if self.bf16_split(rows, several, dev) {
-                    let share = self.cols.div_ceil(64).div_ceil(SPLIT_UNITS);
-                    let grid = [rows.div_ceil(16 * SPLIT_TILES) as u32, SPLIT_UNITS as u32, 1];
-                    return (grid, [32 * SPLIT_TILES as u32, 1, 1], (tokens * (share * 64 + 4) * 4) as u32);
-                }
                 if dev.bf16_mma {
                     return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], 0);
                 }
@@ -245,12 +247,18 @@ impl GpuWeight {
             .unwrap_or(0)
     }
 
-    /// Whether several tokens of this weight take the bf16 split kernels (`rows` tile rows): bf16
-    /// on matrix cores, a row group's ticket for each 16 SPLIT_TILES rows. Each block stages its
-    /// unit's share of the inputs once for SPLIT_TILES tiles, where the `_tokens` kernels read
-    /// all of every token's input for each tile (kernels/linear.hip); a token gets the same bits.
-    fn bf16_split(&self, rows: usize, several: bool, dev: GemvDevice) -> bool {
-        self.is_bf16() && dev.bf16_mma && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
+    /// Whether several tokens of this weight take the split kernels (`rows` tile rows): bf16 on
+    /// matrix cores, FP8 where the device has them; a row group's ticket for each 16 SPLIT_TILES
+    /// rows. Each block stages its unit's share of the inputs once for SPLIT_TILES tiles, where
+    /// the `_tokens` kernels read all of every token's input for each tile (kernels/linear.hip);
+    /// a token gets the same bits.
+    fn split(&self, rows: usize, several: bool, dev: GemvDevice) -> bool {
+        let format = match self.format {
+            WeightFormat::Bf16 => dev.bf16_mma,
+            WeightFormat::Fp8 { .. } => dev.mma,
+            WeightFormat::Packed(_) => false,
+        };
+        format && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
     }
 
     /// Whether this packed weight's one-token kernels need weight slots that its rows cannot have
@@ -291,7 +299,7 @@ impl GpuWeight {
         let async_tokens = stem == "gemv1" && self.fp8_tokens_async(group, rows, normed, dev);
         match tokens {
             1 if !self.lacks_slots(dev) => (name, None),
-            _ if self.bf16_split(rows, true, dev) => (format!("{name}_split"), Some(Arg::I32(tokens as i32))),
+            _ if self.split(rows, true, dev) => (format!("{name}_split"), Some(Arg::I32(tokens as i32))),
             _ if async_tokens => (format!("{name}_tokens_async"), Some(Arg::I32(tokens as i32))),
             _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
@@ -305,6 +313,8 @@ impl GpuWeight {
 struct GemvDevice {
     max_shared: u32,
     warp_size: u32,
+    /// mma.sync (NVIDIA sm_80+): the split kernels.
+    mma: bool,
     bf16_mma: bool,
     async_copy: bool,
     multiprocessors: u32,
@@ -613,6 +623,7 @@ impl GpuBackend {
         GemvDevice {
             max_shared: self.rt.max_shared_bytes(),
             warp_size: self.rt.warp_size(),
+            mma: self.rt.bf16_gemv_on_matrix_cores(),
             bf16_mma: self.rt.bf16_gemv_on_matrix_cores() && self.several_sequences.load(Ordering::Relaxed),
             async_copy: self.rt.has_async_copy(),
             multiprocessors: self.rt.multiprocessors(),
@@ -728,25 +739,36 @@ impl GpuBackend {
             // which gives it the same bits.
             let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, tokens, rows, norm.is_some(), self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let split = self.split_partials(w, rows, tokens, x.rows > 1)?;
-            args.extend(split.iter().flat_map(|s| s.1));
+            let norm_arg = norm.map(|(w, eps)| (w.buf.ptr, eps));
+            let split = self.split_args(w, rows, x.buf.ptr + at(x.cols), tokens, norm_arg, x.rows > 1)?;
+            args.extend(split.iter().flat_map(|s| s.1.iter().copied()));
             let (grid, block, shared) = w.gemv1_launch(rows, 1, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
         Ok(())
     }
 
-    /// The bf16 split kernels' last two arguments where `w` takes them for `tokens` tokens of
-    /// `rows` tile rows (`GpuWeight::bf16_split`): a temporary for each unit's sums and squares
-    /// ([units][tokens][rows of the grid], then [groups][units][GEMV1_TOKENS]) and the row
-    /// groups' tickets. The buffer must outlive the launch.
-    fn split_partials(&self, w: &GpuWeight, rows: usize, tokens: usize, several: bool) -> Result<Option<(DeviceBuffer, [Arg; 2])>> {
-        if !w.bf16_split(rows, several, self.gemv_device()) {
+    /// The split kernels' last arguments where `w` takes them for `tokens` rows of `x` (from
+    /// `x_ptr`) over `rows` tile rows (`GpuWeight::split`): a temporary for each unit's sums and
+    /// (bf16) squares ([units][tokens][rows of the grid], then [groups][units][GEMV1_TOKENS]),
+    /// the row groups' tickets, and for FP8 the norm's scale of each token (after the sums, from a
+    /// token_rms_scale launch; 0 without a norm). The buffer must outlive the launch.
+    fn split_args(&self, w: &GpuWeight, rows: usize, x_ptr: u64, tokens: usize, norm: Option<(u64, f32)>, several: bool) -> Result<Option<(DeviceBuffer, Vec<Arg>)>> {
+        if !w.split(rows, several, self.gemv_device()) {
             return Ok(None);
         }
         let groups = rows.div_ceil(16 * SPLIT_TILES);
-        let part = self.scratch(byte_size("split partial sums", &[SPLIT_UNITS, groups, 16 * SPLIT_TILES * tokens + GEMV1_TOKENS, 4])?)?;
-        let args = [Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS)];
+        let sums = byte_size("split partial sums", &[SPLIT_UNITS, groups, 16 * SPLIT_TILES * tokens + GEMV1_TOKENS, 4])?;
+        let part = self.scratch(sums + GEMV1_TOKENS * 4)?;
+        let mut args = vec![Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS)];
+        if w.is_fp8() {
+            let norms = part.ptr + sums as u64;
+            if let Some((norm_w, eps)) = norm {
+                let scale_args = [Arg::Ptr(x_ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::I32(w.cols as i32), Arg::Ptr(norms)];
+                self.rt.launch_early("token_rms_scale", [tokens as u32, 1, 1], [FP8_GEMV_THREADS, 1, 1], 0, &scale_args)?;
+            }
+            args.push(Arg::Ptr(if norm.is_some() { norms } else { 0 }));
+        }
         Ok(Some((part, args)))
     }
 
@@ -1586,13 +1608,13 @@ impl Backend for GpuBackend {
             let (tile_rows, tiles) = match g.format {
                 WeightFormat::Packed(_) => (2 * g.rows, 2),
                 WeightFormat::Fp8 { .. } if x.rows == 1 && dev.async_copy => (2 * g.rows, 1),
-                WeightFormat::Bf16 if g.bf16_split(2 * g.rows, x.rows > 1, dev) => (2 * g.rows, 1),
+                WeightFormat::Bf16 | WeightFormat::Fp8 { .. } if g.split(2 * g.rows, x.rows > 1, dev) => (2 * g.rows, 1),
                 _ => (g.rows, 2),
             };
             let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tokens, tile_rows, true, dev);
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let split = self.split_partials(g, tile_rows, tokens, x.rows > 1)?;
-            args.extend(split.iter().flat_map(|s| s.1));
+            let split = self.split_args(g, tile_rows, x.buf.ptr + at(x.cols), tokens, Some((norm.buf.ptr, eps)), x.rows > 1)?;
+            args.extend(split.iter().flat_map(|s| s.1.iter().copied()));
             let (grid, block, shared) = g.gemv1_launch(tile_rows, tiles, true, tokens, x.rows > 1, dev);
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
         }
