@@ -1025,18 +1025,19 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
                                                            tokens);
 }
 
-// Several tokens of bf16 on matrix cores, a block for each unit's share of K (sequences decoding
-// together). The kernels above read every token's whole input in each block of 16 rows: for eight
-// tokens as many bytes (f32, from L2) as the block's weights. Here block (b, u) takes unit u's
-// share of K (the 64-column blocks u, u + FP8_UNITS, ... that unit u of the kernels above takes)
-// of SPLIT_TILES tiles, a tile a warp, and stages that share of every token's input in shared
-// memory once for all of them. Each warp runs unit u's products in unit u's order, so its sums are
-// the per-unit sums of the kernels above; they go to `part` ([FP8_UNITS][tokens][rows of the
-// grid]), each row group's squares after them ([groups][FP8_UNITS][GEMV1_TOKENS]), and the last of
-// a row group's FP8_UNITS blocks to finish (a ticket, left at zero) adds them in unit order and
-// finishes the rows as the kernels above do: each token gets the bits of gemv1_bf16_mma alone.
-// Launch: grid (ceil(tile rows / (16 SPLIT_TILES)), FP8_UNITS), block SPLIT_TILES * 32, dynamic
-// shared memory tokens * (64 ceil(ceil(K / 64) / FP8_UNITS) + 4) floats. Needs K % 8 == 0.
+// Several tokens of bf16 or FP8 on matrix cores (FP8_ROWS_MMA holds where BF16_ROWS_MMA does), a
+// block for each unit's share of K: the split kernels. The tiled kernels above read every token's
+// whole input in each block of 16 rows: for eight tokens as many bytes (f32, from L2) as a bf16
+// block's weights, twice an FP8 block's. Here block (b, u) takes unit u's share of K (the K blocks
+// u, u + FP8_UNITS, ... that unit u of the tiled kernels takes) of SPLIT_TILES tiles, a tile a
+// warp, and stages that share of every token's input in shared memory once for all of them. Each
+// warp runs unit u's products in unit u's order, so its sums are the tiled kernels' per-unit sums;
+// they go to `part` ([FP8_UNITS][tokens][rows of the grid]; bf16's squares after them,
+// [groups][FP8_UNITS][GEMV1_TOKENS]), and the last of a row group's FP8_UNITS blocks to finish (a
+// ticket, left at zero) adds them in unit order and finishes the rows as the tiled kernels do:
+// each token gets the bits of the one-token kernel alone. Launch: grid (ceil(tile rows / (16
+// SPLIT_TILES)), FP8_UNITS), block SPLIT_TILES * 32, dynamic shared memory for each token its
+// share of the input (bf16: f32, FP8: f16) and 16 bytes.
 #define SPLIT_TILES 8
 
 // Lane (g, t)'s sums of its warp's tile rows g and g + 8 (row_g, row_g8) for tokens 2t and 2t + 1,
@@ -1075,11 +1076,11 @@ __device__ __forceinline__ float split_sum(const float* part, int tokens, int n,
     return total;
 }
 
-// The warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K; leaves
-// the unit's sums in `part` and its squares after them, and returns true in the block that
-// finishes the row group (after every unit's sums have landed).
-__device__ __forceinline__ bool bf16_split_dot(const Bf16Rows& tile, const float* x, const float* norm_w, int K,
-                                               int tokens, float* part, int* tickets) {
+// bf16: the warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K (the
+// input staged as f32); leaves the unit's sums in `part` and its squares after them, and returns
+// true in the block that finishes the row group (after every unit's sums have landed). K % 8 == 0.
+__device__ __forceinline__ bool split_dot(const Bf16Rows& tile, const float* x, const float* norm_w, int K, int tokens,
+                                          float* part, int* tickets) {
     extern __shared__ __attribute__((aligned(16))) float split_x[];
     const int unit = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
@@ -1148,81 +1149,12 @@ __device__ __forceinline__ bool bf16_split_dot(const Bf16Rows& tile, const float
     return split_publish(row_g, row_g8, tokens, part, tickets);
 }
 
-// Token n's total for row `row` of the grid (its units' sums in unit order) times its norm's scale
-// (1 without a norm), as rows_dot finishes them.
-__device__ __forceinline__ float bf16_split_total(const float* part, const float* norm_w, float eps, int K, int tokens,
-                                                  int n, int row) {
-    const int rows = gridDim.x * SPLIT_TILES * 16;
-    const volatile float* squares = part + (long)FP8_UNITS * tokens * rows + blockIdx.x * FP8_UNITS * GEMV1_TOKENS;
-    float s = 1.0f;
-    if (norm_w) {
-        float total = 0.0f;
-        for (int u = 0; u < FP8_UNITS; u++) total += squares[u * GEMV1_TOKENS + n];
-        s = rsqrtf(total / K + eps);
-    }
-    return split_sum(part, tokens, n, row) * s;
-}
-
-// As gemv1_bf16_mma_tokens (its arguments, then the partial sums and the tickets).
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_bf16_mma_split(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
-                         const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
-                         const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
-                         int n2, int n3, const float* x, const float* norm_w, float eps, const float* residual, int K,
-                         int tokens, float* part, int* tickets) {
-    const int total = n0 + n1 + n2 + n3, first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16;
-    Bf16Rows tile;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = first + threadIdx.x % 32 / 4 + 8 * h;
-        int seg, n;
-        gemv1_segment(r < total ? r : 0, n0, n1, n2, seg, n);
-        tile.set(h, gemv1_pick(seg, w0, w1, w2, w3), nullptr, n, K);
-    }
-    if (!bf16_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
-    const int group_rows = SPLIT_TILES * 16;
-    for (int i = threadIdx.x; i < tokens * group_rows; i += blockDim.x) {
-        const int token = i / group_rows, r = blockIdx.x * group_rows + i % group_rows;
-        if (r >= total) continue;
-        int seg, n;
-        gemv1_segment(r, n0, n1, n2, seg, n);
-        const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
-        const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
-        const float out = bf16_split_total(part, norm_w, eps, K, tokens, token, r);
-        gemv1_pick(seg, y0, y1, y2, y3)[at] = out + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
-    }
-}
-
-// As gemv1_gate_up_bf16_mma_tokens; a warp's tile is 8 gate rows (as rows g) and their up rows (as
-// rows g + 8), so a row group holds both halves of its 8 SPLIT_TILES outputs (grid ceil(N / 64)).
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_gate_up_bf16_mma_split(const bf16* g, const bf16* u, const float* sg, const float* su,
-                                 const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,
-                                 float eps, float* out, int N, int K, int tokens, float* part, int* tickets) {
-    const int first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8, mine = first + threadIdx.x % 32 / 4;
-    Bf16Rows tile;
-    tile.set(0, g, nullptr, mine < N ? mine : 0, K);
-    tile.set(1, u, nullptr, mine < N ? mine : 0, K);
-    if (!bf16_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
-    const int outputs = SPLIT_TILES * 8;
-    for (int i = threadIdx.x; i < tokens * outputs; i += blockDim.x) {
-        const int token = i / outputs, o = i % outputs, n = blockIdx.x * outputs + o;
-        if (n >= N) continue;
-        const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
-        const float gv = bf16_split_total(part, norm_w, eps, K, tokens, token, row) + (gate_bias ? gate_bias[n] : 0.0f);
-        const float uv = bf16_split_total(part, norm_w, eps, K, tokens, token, row + 8) + (up_bias ? up_bias[n] : 0.0f);
-        out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
-    }
-}
-
-// FP8 weights split as the bf16 kernels above (FP8_ROWS_MMA holds where BF16_ROWS_MMA does): block
-// (b, u) stages unit u's share of every token's input as f16 as fp8_gemv_input would (times
-// norm_w, times 2^-FP8_X_SHIFT) and its warps run unit u's products of fp8_rows_dot in its order.
-// A norm's scale needs the sum of squares of a token's whole input, in the one-token kernel's
-// order: token_rms_scale computes it in a launch before (`norms` [tokens]; null without a norm).
-// Dynamic shared memory: tokens * (ceil(ceil(K / 128) / FP8_UNITS) * 256 + 16) bytes. K % 16 == 0.
-__device__ __forceinline__ bool fp8_split_dot(const Fp8Rows& tile, const float* x, const float* norm_w, int K,
-                                              int tokens, float* part, int* tickets) {
+// FP8: as above, the input staged as f16 as fp8_gemv_input stages it (times norm_w, times
+// 2^-FP8_X_SHIFT), the products fp8_rows_dot's. A norm's scale needs the sum of squares of a
+// token's whole input in the one-token kernel's order: token_rms_scale computes it in a launch
+// before. K % 16 == 0.
+__device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, const float* norm_w, int K, int tokens,
+                                          float* part, int* tickets) {
     extern __shared__ __attribute__((aligned(16))) uint4 split_x8[];
     const int unit = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, chunks = K / 16;
@@ -1273,13 +1205,6 @@ __device__ __forceinline__ bool fp8_split_dot(const Fp8Rows& tile, const float* 
     return split_publish(acc[0], acc[1], tokens, part, tickets);
 }
 
-// fp8_rows_dot's factor for token n: 2^FP8_X_SHIFT, times its norm's scale.
-__device__ __forceinline__ float fp8_split_scale(const float* norms, int n) {
-    float s = 1 << FP8_X_SHIFT;
-    if (norms) s *= norms[n];
-    return s;
-}
-
 // rsqrt(mean(x^2) + eps) of each token's input (grid tokens, block FP8_UNITS * 32), its sum of
 // squares taken as fp8_gemv_input takes it in the one-token kernel (the same threads, the same bits).
 ATLAS_KERNEL void token_rms_scale(const float* x, const float* norm_w, float eps, int K, float* out) {
@@ -1291,15 +1216,33 @@ ATLAS_KERNEL void token_rms_scale(const float* x, const float* norm_w, float eps
     if (threadIdx.x == 0) out[blockIdx.x] = rsqrtf(total / K + eps);
 }
 
-// As gemv1_fp8_tokens (its arguments, then the partial sums, the tickets and the norms' scales).
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_fp8_split(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const unsigned char* w3,
-                    const float* s0, const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
-                    const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
-                    int n3, const float* x, const float* norm_w, float eps, const float* residual, int K, int tokens,
-                    float* part, int* tickets, const float* norms) {
+// A token's factor for its sums: bf16's norm scale from its units' squares (1 without a norm);
+// FP8's 2^FP8_X_SHIFT (fp8_rows_dot's), times the norm scale token_rms_scale left in `norms`.
+__device__ __forceinline__ float split_scale(const Bf16Rows&, const float* part, const float* norm_w, float eps, int K,
+                                             int tokens, const float*, int n) {
+    if (!norm_w) return 1.0f;
+    const volatile float* squares = part + (long)FP8_UNITS * tokens * gridDim.x * SPLIT_TILES * 16 + blockIdx.x * FP8_UNITS * GEMV1_TOKENS;
+    float total = 0.0f;
+    for (int u = 0; u < FP8_UNITS; u++) total += squares[u * GEMV1_TOKENS + n];
+    return rsqrtf(total / K + eps);
+}
+__device__ __forceinline__ float split_scale(const Fp8Rows&, const float*, const float*, float, int, int,
+                                             const float* norms, int n) {
+    float s = 1 << FP8_X_SHIFT;
+    if (norms) s *= norms[n];
+    return s;
+}
+
+// As gemv1_tiled_rows (bf16 on matrix cores or FP8), split by unit; `norms` as split_scale's.
+template <class Rows, class W>
+__device__ __forceinline__ void gemv1_split_rows(const W* w0, const W* w1, const W* w2, const W* w3, const float* s0,
+                                                 const float* s1, const float* s2, const float* s3, const float* b0,
+                                                 const float* b1, const float* b2, const float* b3, float* y0, float* y1,
+                                                 float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
+                                                 const float* norm_w, float eps, const float* residual, int K,
+                                                 int tokens, float* part, int* tickets, const float* norms) {
     const int total = n0 + n1 + n2 + n3, first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16;
-    Fp8Rows tile;
+    Rows tile;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = first + threadIdx.x % 32 / 4 + 8 * h;
@@ -1307,7 +1250,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
         gemv1_segment(r < total ? r : 0, n0, n1, n2, seg, n);
         tile.set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
-    if (!fp8_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    if (!split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
     const int group_rows = SPLIT_TILES * 16;
     for (int i = threadIdx.x; i < tokens * group_rows; i += blockDim.x) {
         const int token = i / group_rows, r = blockIdx.x * group_rows + i % group_rows;
@@ -1316,31 +1259,73 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
         gemv1_segment(r, n0, n1, n2, seg, n);
         const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
         const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
-        const float out = split_sum(part, tokens, token, r) * fp8_split_scale(norms, token);
+        const float out = split_sum(part, tokens, token, r) * split_scale(tile, part, norm_w, eps, K, tokens, norms, token);
         gemv1_pick(seg, y0, y1, y2, y3)[at] = out + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
     }
 }
 
-// As gemv1_gate_up_fp8_tokens, with gemv1_gate_up_bf16_mma_split's tiles (grid ceil(N / 64)).
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_gate_up_fp8_split(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
-                            const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
-                            float* out, int N, int K, int tokens, float* part, int* tickets, const float* norms) {
-    const int first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8, mine = first + threadIdx.x % 32 / 4;
-    Fp8Rows tile;
+// As gemv1_gate_up_tiled_rows, split by unit; a warp's tile is 8 gate rows (as rows g) and their up
+// rows (as rows g + 8), so a row group holds both halves of its 8 SPLIT_TILES outputs (grid
+// ceil(N / 64)).
+template <class Rows, class W>
+__device__ __forceinline__ void gemv1_gate_up_split_rows(const W* g, const W* u, const float* sg, const float* su,
+                                                         const float* gate_bias, const float* up_bias, const float* x,
+                                                         const float* norm_w, float eps, float* out, int N, int K,
+                                                         int tokens, float* part, int* tickets, const float* norms) {
+    const int mine = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8 + threadIdx.x % 32 / 4;
+    Rows tile;
     tile.set(0, g, sg, mine < N ? mine : 0, K);
     tile.set(1, u, su, mine < N ? mine : 0, K);
-    if (!fp8_split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    if (!split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
     const int outputs = SPLIT_TILES * 8;
     for (int i = threadIdx.x; i < tokens * outputs; i += blockDim.x) {
         const int token = i / outputs, o = i % outputs, n = blockIdx.x * outputs + o;
         if (n >= N) continue;
         const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
-        const float s = fp8_split_scale(norms, token);
+        const float s = split_scale(tile, part, norm_w, eps, K, tokens, norms, token);
         const float gv = split_sum(part, tokens, token, row) * s + (gate_bias ? gate_bias[n] : 0.0f);
         const float uv = split_sum(part, tokens, token, row + 8) * s + (up_bias ? up_bias[n] : 0.0f);
         out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
     }
+}
+
+// The split kernels: the arguments of the `_tokens` kernels, then the partial sums, the tickets
+// and (FP8 with a norm; else null) the norms' scales.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_bf16_mma_split(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                         const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                         const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
+                         int n2, int n3, const float* x, const float* norm_w, float eps, const float* residual, int K,
+                         int tokens, float* part, int* tickets, const float* norms) {
+    gemv1_split_rows<Bf16Rows>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w,
+                               eps, residual, K, tokens, part, tickets, norms);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_fp8_split(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const unsigned char* w3,
+                    const float* s0, const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                    const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
+                    int n3, const float* x, const float* norm_w, float eps, const float* residual, int K, int tokens,
+                    float* part, int* tickets, const float* norms) {
+    gemv1_split_rows<Fp8Rows>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w,
+                              eps, residual, K, tokens, part, tickets, norms);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_gate_up_bf16_mma_split(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                 const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,
+                                 float eps, float* out, int N, int K, int tokens, float* part, int* tickets,
+                                 const float* norms) {
+    gemv1_gate_up_split_rows<Bf16Rows>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens, part, tickets,
+                                       norms);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_gate_up_fp8_split(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
+                            const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
+                            float* out, int N, int K, int tokens, float* part, int* tickets, const float* norms) {
+    gemv1_gate_up_split_rows<Fp8Rows>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens, part, tickets,
+                                      norms);
 }
 #endif
 

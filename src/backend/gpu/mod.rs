@@ -751,8 +751,8 @@ impl GpuBackend {
     /// The split kernels' last arguments where `w` takes them for `tokens` rows of `x` (from
     /// `x_ptr`) over `rows` tile rows (`GpuWeight::split`): a temporary for each unit's sums and
     /// (bf16) squares ([units][tokens][rows of the grid], then [groups][units][GEMV1_TOKENS]),
-    /// the row groups' tickets, and for FP8 the norm's scale of each token (after the sums, from a
-    /// token_rms_scale launch; 0 without a norm). The buffer must outlive the launch.
+    /// the row groups' tickets, and for FP8 with a norm the norm's scale of each token (after the
+    /// sums, from a token_rms_scale launch; else 0). The buffer must outlive the launch.
     fn split_args(&self, w: &GpuWeight, rows: usize, x_ptr: u64, tokens: usize, norm: Option<(u64, f32)>, several: bool) -> Result<Option<(DeviceBuffer, Vec<Arg>)>> {
         if !w.split(rows, several, self.gemv_device()) {
             return Ok(None);
@@ -761,14 +761,16 @@ impl GpuBackend {
         let sums = byte_size("split partial sums", &[SPLIT_UNITS, groups, 16 * SPLIT_TILES * tokens + GEMV1_TOKENS, 4])?;
         let part = self.scratch(sums + GEMV1_TOKENS * 4)?;
         let mut args = vec![Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS)];
-        if w.is_fp8() {
-            let norms = part.ptr + sums as u64;
-            if let Some((norm_w, eps)) = norm {
+        let norms = match norm {
+            Some((norm_w, eps)) if w.is_fp8() => {
+                let norms = part.ptr + sums as u64;
                 let scale_args = [Arg::Ptr(x_ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::I32(w.cols as i32), Arg::Ptr(norms)];
                 self.rt.launch_early("token_rms_scale", [tokens as u32, 1, 1], [FP8_GEMV_THREADS, 1, 1], 0, &scale_args)?;
+                norms
             }
-            args.push(Arg::Ptr(if norm.is_some() { norms } else { 0 }));
-        }
+            _ => 0,
+        };
+        args.push(Arg::Ptr(norms));
         Ok(Some((part, args)))
     }
 
