@@ -255,10 +255,10 @@ impl GpuWeight {
     fn split(&self, rows: usize, several: bool, dev: GemvDevice) -> bool {
         let format = match self.format {
             WeightFormat::Bf16 => dev.bf16_mma,
-            WeightFormat::Fp8 { .. } => dev.mma,
+            WeightFormat::Fp8 { .. } => true,
             WeightFormat::Packed(_) => false,
         };
-        format && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
+        dev.split && format && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
     }
 
     /// Whether this packed weight's one-token kernels need weight slots that its rows cannot have
@@ -313,8 +313,8 @@ impl GpuWeight {
 struct GemvDevice {
     max_shared: u32,
     warp_size: u32,
-    /// mma.sync (NVIDIA sm_80+): the split kernels.
-    mma: bool,
+    /// Several tokens take the split kernels: mma.sync (NVIDIA sm_80+), and `GpuBackend::split_kernels`.
+    split: bool,
     bf16_mma: bool,
     async_copy: bool,
     multiprocessors: u32,
@@ -339,6 +339,10 @@ pub struct GpuBackend {
     /// The model decodes several sequences side by side (`Backend::plan_sequences`): bf16 one-token
     /// products take their matrix-core kernels where the device has them.
     several_sequences: AtomicBool,
+    /// Several tokens take the split kernels (`GpuWeight::split`) where the device has them: off
+    /// unless ATLAS_SPLIT_KERNELS=1, until they are measured (docs/benchmarks.md);
+    /// `use_split_kernels` sets it.
+    split_kernels: AtomicBool,
     /// The token mask (see `Backend::set_token_mask`) as argmax and top_k read it: the word count
     /// (0: no mask), then the words; made at the first mask and kept (recorded steps point at it).
     token_mask: Mutex<Option<(DeviceBuffer, usize)>>,
@@ -616,14 +620,22 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None), kv_pool: Mutex::new(None) }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), split_kernels: AtomicBool::new(std::env::var("ATLAS_SPLIT_KERNELS").is_ok_and(|v| v == "1")), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None), kv_pool: Mutex::new(None) }
+    }
+
+    /// Whether several tokens take the split kernels (see `split_kernels`); recorded steps are
+    /// recorded again.
+    pub fn use_split_kernels(&self, on: bool) {
+        if self.split_kernels.swap(on, Ordering::Relaxed) != on {
+            self.forget_recording();
+        }
     }
 
     fn gemv_device(&self) -> GemvDevice {
         GemvDevice {
             max_shared: self.rt.max_shared_bytes(),
             warp_size: self.rt.warp_size(),
-            mma: self.rt.bf16_gemv_on_matrix_cores(),
+            split: self.rt.bf16_gemv_on_matrix_cores() && self.split_kernels.load(Ordering::Relaxed),
             bf16_mma: self.rt.bf16_gemv_on_matrix_cores() && self.several_sequences.load(Ordering::Relaxed),
             async_copy: self.rt.has_async_copy(),
             multiprocessors: self.rt.multiprocessors(),
