@@ -466,9 +466,9 @@ const FP8_GEMV_STATIC_SHARED: u32 = 2_300;
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
 /// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
 const GEMV1_TOKENS: usize = 8;
-/// The bf16 split kernels (gemv1_bf16_mma_split, kernels/linear.hip): the units sharing K (a block
-/// each), the 16-row tiles of a row group (a warp each), and the most row groups a launch may have
-/// (one ticket each in `Scratch`).
+/// The split kernels (gemv1_bf16_mma_split, gemv1_fp8_split and their gate/up forms in
+/// kernels/linear.hip): the units sharing K (a block each), the 16-row tiles of a row group (a warp
+/// each), and the most row groups a launch may have (one ticket each in `Scratch`).
 const SPLIT_UNITS: usize = 8;
 const SPLIT_TILES: usize = 8;
 const SPLIT_MAX_GROUPS: usize = 16_384;
@@ -1615,8 +1615,8 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            // The packed kernels, FP8's one-token kernel where it has weight slots and bf16's split
-            // kernel take 8 gate rows and their 8 up rows a tile (as 16 rows); the others two
+            // The packed kernels, FP8's one-token kernel where it has weight slots and the split
+            // kernels take 8 gate rows and their 8 up rows a tile (as 16 rows); the others two
             // tiles of 16 rows.
             let dev = self.gemv_device();
             let (tile_rows, tiles) = match g.format {
