@@ -481,6 +481,14 @@ struct Fp8Async {
     }
 };
 
+// One tile's products over a chunk of 16 inputs (lo, hi: 8 f16 pairs): rows g, g + 8 (a, b) into c.
+__device__ __forceinline__ void fp8_chunk_mma(float* c, uint4 a, uint4 b, uint4 lo, uint4 hi) {
+    const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int u = 0; u < 4; u++) fp8_rows_mma(c, wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
+}
+
 // out[i]: row threadIdx.x % 16 of tile i times token threadIdx.x / 16 of the input, summed over K
 // (valid in threads below 16 * tokens after the call; tokens <= TOKENS <= GEMV1_TOKENS). Weights
 // are read before pdl_wait(): launched early, they stream in while the previous kernel finishes.
@@ -566,14 +574,8 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
             const int chunk = kb * 8 + j * 4 + t;
             uint4 lo, hi;
             input(token, chunk, lo, hi);
-            const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int i = 0; i < TILES; i++) {
-                const uint4 a = st.w[i][0][j], b = st.w[i][1][j];
-                const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int u = 0; u < 4; u++) fp8_rows_mma(c[i][j], wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
-            }
+            for (int i = 0; i < TILES; i++) fp8_chunk_mma(c[i][j], st.w[i][0][j], st.w[i][1][j], lo, hi);
         }
 #pragma unroll
         for (int i = 0; i < TILES; i++)
@@ -596,14 +598,8 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
                 const int chunk = kb * 8 + j * 4 + t;
                 uint4 lo, hi;
                 input(n, chunk, lo, hi);
-                const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-                for (int i = 0; i < TILES; i++) {
-                    const uint4 a = st.w[i][0][j], b = st.w[i][1][j];
-                    const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-                    for (int u = 0; u < 4; u++) fp8_rows_mma(c[i][j], wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
-                }
+                for (int i = 0; i < TILES; i++) fp8_chunk_mma(c[i][j], st.w[i][0][j], st.w[i][1][j], lo, hi);
             }
 #pragma unroll
             for (int i = 0; i < TILES; i++) {
@@ -706,6 +702,33 @@ __device__ __forceinline__ void bf16_split8(const float (&x)[8], unsigned int (&
     }
 }
 
+// Chunk c's eight inputs (a, b) as the bf16 matrix-core kernels feed them: with a norm (wt), their
+// squares added to ss in order and the values times its weights; then split into hi and lo.
+__device__ __forceinline__ void bf16_chunk_input(float4 a, float4 b, const float4* wt, int c, int chunks, float& ss,
+                                                 unsigned int (&hi)[4], unsigned int (&lo)[4]) {
+    if (wt) {
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
+        if (c < chunks) {
+            const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
+            a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
+            b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+        }
+    }
+    const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    bf16_split8(xc, hi, lo);
+}
+
+// One tile's products over a chunk: rows g, g + 8 (rg, rg8) times hi into acc[0], times lo into acc[1].
+__device__ __forceinline__ void bf16_chunk_mma(float (&acc)[2][4], uint4 rg, uint4 rg8, const unsigned int (&hi)[4],
+                                               const unsigned int (&lo)[4]) {
+    bf16_rows_mma(acc[0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
+    bf16_rows_mma(acc[0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
+    bf16_rows_mma(acc[1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
+    bf16_rows_mma(acc[1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
+}
+
 template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                          float eps, int K, int tokens, float (&out)[TILES]) {
@@ -771,27 +794,10 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
                 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
                 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
             }
-            if (wt) {
-                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
-                if (c < chunks) {
-                    const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
-                    a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
-                    b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
-                }
-            }
-            const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             unsigned int hi[4], lo[4];
-            bf16_split8(xc, hi, lo);
+            bf16_chunk_input(a, b, wt, c, chunks, ss, hi, lo);
 #pragma unroll
-            for (int i = 0; i < TILES; i++) {
-                const uint4 rg = st.w[i][0][j], rg8 = st.w[i][1][j];
-                bf16_rows_mma(acc[i][0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
-                bf16_rows_mma(acc[i][0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
-                bf16_rows_mma(acc[i][1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
-                bf16_rows_mma(acc[i][1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
-            }
+            for (int i = 0; i < TILES; i++) bf16_chunk_mma(acc[i], st.w[i][0][j], st.w[i][1][j], hi, lo);
         }
     };
     pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
@@ -1076,6 +1082,10 @@ __device__ __forceinline__ float split_sum(const float* part, int tokens, int n,
     return total;
 }
 
+// Where in `part` the bf16 split kernels keep their units' squares: after the sums,
+// [groups][FP8_UNITS][GEMV1_TOKENS].
+__device__ __forceinline__ long split_squares(int tokens) { return (long)FP8_UNITS * tokens * gridDim.x * SPLIT_TILES * 16; }
+
 // bf16: the warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K (the
 // input staged as f32); leaves the unit's sums in `part` and its squares after them, and returns
 // true in the block that finishes the row group (after every unit's sums have landed). K % 8 == 0.
@@ -1118,31 +1128,15 @@ __device__ __forceinline__ bool split_dot(const Bf16Rows& tile, const float* x, 
         for (int j = 0; j < 2; j++) {
             const int c = kb * 8 + j * 4 + t;
             const float4* v4 = (const float4*)(xs + kb / FP8_UNITS * 64 + (j * 4 + t) * 8);
-            float4 a = v4[0], b = v4[1];
-            if (wt) {
-                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
-                if (c < chunks) {
-                    const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
-                    a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
-                    b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
-                }
-            }
-            const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             unsigned int hi[4], lo[4];
-            bf16_split8(xc, hi, lo);
-            const uint4 rg = s.w[0][j], rg8 = s.w[1][j];
-            bf16_rows_mma(acc[0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
-            bf16_rows_mma(acc[0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
-            bf16_rows_mma(acc[1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
-            bf16_rows_mma(acc[1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
+            bf16_chunk_input(v4[0], v4[1], wt, c, chunks, ss, hi, lo);
+            bf16_chunk_mma(acc, s.w[0][j], s.w[1][j], hi, lo);
         }
     };
     pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
     ss += shfl_xor(ss, 1);
     ss += shfl_xor(ss, 2);
-    float* squares = part + (long)FP8_UNITS * tokens * gridDim.x * SPLIT_TILES * 16;
+    float* squares = part + split_squares(tokens);
     if (warp == 0 && t == 0 && g < tokens) squares[(blockIdx.x * FP8_UNITS + unit) * GEMV1_TOKENS + g] = ss;
     const float row_g[2] = {acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]};
     const float row_g8[2] = {acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]};
@@ -1188,12 +1182,8 @@ __device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, c
         float c[2][4] = {};  // [chunk t, t + 4][mma accumulator]: two shorter chains, as fp8_rows_dot
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const uint4 lo = xs[kb / FP8_UNITS * 16 + (j * 4 + t) * 2], hi = xs[kb / FP8_UNITS * 16 + (j * 4 + t) * 2 + 1];
-            const unsigned int xp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-            const uint4 a = s.w[0][0][j], b = s.w[0][1][j];
-            const unsigned int wg[4] = {a.x, a.y, a.z, a.w}, wg8[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int u = 0; u < 4; u++) fp8_rows_mma(c[j], wg[u], wg8[u], xp[2 * u], xp[2 * u + 1]);
+            const uint4* chunk = xs + kb / FP8_UNITS * 16 + (j * 4 + t) * 2;
+            fp8_chunk_mma(c[j], s.w[0][0][j], s.w[0][1][j], chunk[0], chunk[1]);
         }
 #pragma unroll
         for (int col = 0; col < 2; col++) {
@@ -1221,9 +1211,9 @@ ATLAS_KERNEL void token_rms_scale(const float* x, const float* norm_w, float eps
 __device__ __forceinline__ float split_scale(const Bf16Rows&, const float* part, const float* norm_w, float eps, int K,
                                              int tokens, const float*, int n) {
     if (!norm_w) return 1.0f;
-    const volatile float* squares = part + (long)FP8_UNITS * tokens * gridDim.x * SPLIT_TILES * 16 + blockIdx.x * FP8_UNITS * GEMV1_TOKENS;
+    const volatile float* squares = part + split_squares(tokens);
     float total = 0.0f;
-    for (int u = 0; u < FP8_UNITS; u++) total += squares[u * GEMV1_TOKENS + n];
+    for (int u = 0; u < FP8_UNITS; u++) total += squares[(blockIdx.x * FP8_UNITS + u) * GEMV1_TOKENS + n];
     return rsqrtf(total / K + eps);
 }
 __device__ __forceinline__ float split_scale(const Fp8Rows&, const float*, const float*, float, int, int,
