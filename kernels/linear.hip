@@ -902,19 +902,6 @@ ATLAS_KERNEL void gemv1_fp8_tokens(const unsigned char* w0, const unsigned char*
                                  norm_w, eps, residual, K, tokens);
 }
 
-// Several tokens with the one-token kernel's weight slots, after their staged inputs (with a norm;
-// without one they are read in place). The same bits as gemv1_fp8_tokens.
-ATLAS_KERNEL void gemv1_fp8_tokens_async(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,
-                                         const unsigned char* w3, const float* s0, const float* s1, const float* s2,
-                                         const float* s3, const float* b0, const float* b1, const float* b2,
-                                         const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
-                                         int n2, int n3, const float* x, const float* norm_w, float eps,
-                                         const float* residual, int K, int tokens) {
-    gemv1_tiled_rows<Fp8Rows, unsigned char, GEMV1_TOKENS, FP8_ASYNC_SLOTS>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1,
-                                                                          y2, y3, n0, n1, n2, n3, x, norm_w, eps, residual, K,
-                                                                          tokens);
-}
-
 // As gemv1_gate_up_bf16, in tiles (as gemv1_tiled_rows): FP8 weights with scale
 // grids sg, su, or bf16 on matrix cores, for `tokens` rows of x (out [tokens, N]).
 template <class Rows, class W, int TOKENS>
@@ -1031,19 +1018,22 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
                                                            tokens);
 }
 
-// Several tokens of bf16 or FP8 on matrix cores (FP8_ROWS_MMA holds where BF16_ROWS_MMA does), a
-// block for each unit's share of K: the split kernels. The tiled kernels above read every token's
-// whole input in each block of 16 rows: for eight tokens as many bytes (f32, from L2) as a bf16
-// block's weights, twice an FP8 block's. Here block (b, u) takes unit u's share of K (the K blocks
-// u, u + FP8_UNITS, ... that unit u of the tiled kernels takes) of SPLIT_TILES tiles, a tile a
-// warp, and stages that share of every token's input in shared memory once for all of them. Each
-// warp runs unit u's products in unit u's order, so its sums are the tiled kernels' per-unit sums;
-// they go to `part` ([FP8_UNITS][tokens][rows of the grid]; bf16's squares after them,
-// [groups][FP8_UNITS][GEMV1_TOKENS]), and the last of a row group's FP8_UNITS blocks to finish (a
-// ticket, left at zero) adds them in unit order and finishes the rows as the tiled kernels do:
-// each token gets the bits of the one-token kernel alone. Launch: grid (ceil(tile rows / (16
+#endif
+
+// Several tokens of FP8 on matrix cores, a block for each unit's share of K: the split kernels.
+// The tiled kernels above read every token's whole input (f32, from L2) in each block of 16 rows:
+// for eight tokens twice the block's FP8 weights. Here block (b, u) takes unit u's share of K (the
+// K blocks u, u + FP8_UNITS, ... that unit u of the tiled kernels takes) of SPLIT_TILES tiles, a
+// tile a warp, and stages that share of every token's input in shared memory once for all of them,
+// as f16. Each warp runs unit u's products in unit u's order, so its sums are the tiled kernels'
+// per-unit sums; they go to `part` ([FP8_UNITS][tokens][rows of the grid]), and the last of a row
+// group's FP8_UNITS blocks to finish (a ticket, left at zero) adds them in unit order and finishes
+// the rows as the tiled kernels do: each token gets the bits of the one-token kernel alone. (bf16
+// on matrix cores the same way was slower than its tiled kernels on an H100, whose re-read f32
+// inputs cost no more L2 traffic there: docs/benchmarks.md.) Launch: grid (ceil(tile rows / (16
 // SPLIT_TILES)), FP8_UNITS), block SPLIT_TILES * 32, dynamic shared memory for each token its
-// share of the input (bf16: f32, FP8: f16) and 16 bytes.
+// share of the input as f16 and 16 bytes.
+#if FP8_ROWS_MMA
 #define SPLIT_TILES 8
 
 // Lane (g, t)'s sums of its warp's tile rows g and g + 8 (row_g, row_g8) for tokens 2t and 2t + 1,
@@ -1082,69 +1072,10 @@ __device__ __forceinline__ float split_sum(const float* part, int tokens, int n,
     return total;
 }
 
-// Where in `part` the bf16 split kernels keep their units' squares: after the sums,
-// [groups][FP8_UNITS][GEMV1_TOKENS].
-__device__ __forceinline__ long split_squares(int tokens) { return (long)FP8_UNITS * tokens * gridDim.x * SPLIT_TILES * 16; }
-
-// bf16: the warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K (the
-// input staged as f32); leaves the unit's sums in `part` and its squares after them, and returns
-// true in the block that finishes the row group (after every unit's sums have landed). K % 8 == 0.
-__device__ __forceinline__ bool split_dot(const Bf16Rows& tile, const float* x, const float* norm_w, int K, int tokens,
-                                          float* part, int* tickets) {
-    extern __shared__ __attribute__((aligned(16))) float split_x[];
-    const int unit = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
-    const int share = (kblocks + FP8_UNITS - 1) / FP8_UNITS, stride = share * 64 + 4;  // +4: tokens over banks
-    struct Stage {
-        uint4 w[2][2];  // [row g, g + 8][chunk t, t + 4]
-    } st[2];
-    auto fetch = [&](Stage& s, int kb) {
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const int c = kb * 8 + j * 4 + t;
-                s.w[h][j] = c < chunks ? tile.w[h][c] : make_uint4(0, 0, 0, 0);
-            }
-    };
-    pdl_launch_dependents();
-    pipeline_fill(st, unit, FP8_UNITS, fetch);
-    pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
-    // Token n's column block m of the share (K block unit + FP8_UNITS m) at split_x[n * stride + 64 m].
-    for (int p = threadIdx.x; p < tokens * share * 16; p += blockDim.x) {
-        const int n = p / (share * 16), m = p / 16 % share, col = (unit + FP8_UNITS * m) * 64 + p % 16 * 4;
-        async_copy16(split_x + n * stride + m * 64 + p % 16 * 4, x + (long)n * K + (col < K ? col : 0), col < K);
-    }
-    async_commit();
-    async_wait<0>();
-    __syncthreads();
-    // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
-    const float* xs = split_x + (g < tokens ? g : 0) * stride;
-    const float4* wt = (const float4*)norm_w;
-    float acc[2][4] = {};  // [hi, lo chain][mma accumulator]
-    float ss = 0.0f;
-    auto consume = [&](const Stage& s, int kb) {
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int c = kb * 8 + j * 4 + t;
-            const float4* v4 = (const float4*)(xs + kb / FP8_UNITS * 64 + (j * 4 + t) * 8);
-            unsigned int hi[4], lo[4];
-            bf16_chunk_input(v4[0], v4[1], wt, c, chunks, ss, hi, lo);
-            bf16_chunk_mma(acc, s.w[0][j], s.w[1][j], hi, lo);
-        }
-    };
-    pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
-    ss += shfl_xor(ss, 1);
-    ss += shfl_xor(ss, 2);
-    float* squares = part + split_squares(tokens);
-    if (warp == 0 && t == 0 && g < tokens) squares[(blockIdx.x * FP8_UNITS + unit) * GEMV1_TOKENS + g] = ss;
-    const float row_g[2] = {acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]};
-    const float row_g8[2] = {acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]};
-    return split_publish(row_g, row_g8, tokens, part, tickets);
-}
-
-// FP8: as above, the input staged as f16 as fp8_gemv_input stages it (times norm_w, times
-// 2^-FP8_X_SHIFT), the products fp8_rows_dot's. A norm's scale needs the sum of squares of a
+// The warp's tile (rows g and g + 8 of lane (g, t)) over unit blockIdx.y's share of K, the input
+// staged as fp8_gemv_input stages it (times norm_w, times 2^-FP8_X_SHIFT), the products
+// fp8_rows_dot's; leaves the unit's sums in `part` and returns true in the block that finishes the
+// row group (after every unit's sums have landed). A norm's scale needs the sum of squares of a
 // token's whole input in the one-token kernel's order: token_rms_scale computes it in a launch
 // before. K % 16 == 0.
 __device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, const float* norm_w, int K, int tokens,
@@ -1206,33 +1137,24 @@ ATLAS_KERNEL void token_rms_scale(const float* x, const float* norm_w, float eps
     if (threadIdx.x == 0) out[blockIdx.x] = rsqrtf(total / K + eps);
 }
 
-// A token's factor for its sums: bf16's norm scale from its units' squares (1 without a norm);
-// FP8's 2^FP8_X_SHIFT (fp8_rows_dot's), times the norm scale token_rms_scale left in `norms`.
-__device__ __forceinline__ float split_scale(const Bf16Rows&, const float* part, const float* norm_w, float eps, int K,
-                                             int tokens, const float*, int n) {
-    if (!norm_w) return 1.0f;
-    const volatile float* squares = part + split_squares(tokens);
-    float total = 0.0f;
-    for (int u = 0; u < FP8_UNITS; u++) total += squares[(blockIdx.x * FP8_UNITS + u) * GEMV1_TOKENS + n];
-    return rsqrtf(total / K + eps);
-}
-__device__ __forceinline__ float split_scale(const Fp8Rows&, const float*, const float*, float, int, int,
-                                             const float* norms, int n) {
+// A token's factor for its sums: fp8_rows_dot's 2^FP8_X_SHIFT, times the norm's scale that
+// token_rms_scale left in `norms` (null without a norm).
+__device__ __forceinline__ float split_scale(const float* norms, int n) {
     float s = 1 << FP8_X_SHIFT;
     if (norms) s *= norms[n];
     return s;
 }
 
-// As gemv1_tiled_rows (bf16 on matrix cores or FP8), split by unit; `norms` as split_scale's.
-template <class Rows, class W>
-__device__ __forceinline__ void gemv1_split_rows(const W* w0, const W* w1, const W* w2, const W* w3, const float* s0,
-                                                 const float* s1, const float* s2, const float* s3, const float* b0,
-                                                 const float* b1, const float* b2, const float* b3, float* y0, float* y1,
-                                                 float* y2, float* y3, int n0, int n1, int n2, int n3, const float* x,
-                                                 const float* norm_w, float eps, const float* residual, int K,
-                                                 int tokens, float* part, int* tickets, const float* norms) {
+// As gemv1_fp8_tokens, split by unit: its arguments, then the partial sums, the tickets and the
+// norms' scales (token_rms_scale's; null without a norm).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_fp8_split(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const unsigned char* w3,
+                    const float* s0, const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                    const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
+                    int n3, const float* x, const float* norm_w, float eps, const float* residual, int K, int tokens,
+                    float* part, int* tickets, const float* norms) {
     const int total = n0 + n1 + n2 + n3, first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16;
-    Rows tile;
+    Fp8Rows tile;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = first + threadIdx.x % 32 / 4 + 8 * h;
@@ -1249,21 +1171,20 @@ __device__ __forceinline__ void gemv1_split_rows(const W* w0, const W* w1, const
         gemv1_segment(r, n0, n1, n2, seg, n);
         const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
         const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
-        const float out = split_sum(part, tokens, token, r) * split_scale(tile, part, norm_w, eps, K, tokens, norms, token);
+        const float out = split_sum(part, tokens, token, r) * split_scale(norms, token);
         gemv1_pick(seg, y0, y1, y2, y3)[at] = out + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
     }
 }
 
-// As gemv1_gate_up_tiled_rows, split by unit; a warp's tile is 8 gate rows (as rows g) and their up
-// rows (as rows g + 8), so a row group holds both halves of its 8 SPLIT_TILES outputs (grid
-// ceil(N / 64)).
-template <class Rows, class W>
-__device__ __forceinline__ void gemv1_gate_up_split_rows(const W* g, const W* u, const float* sg, const float* su,
-                                                         const float* gate_bias, const float* up_bias, const float* x,
-                                                         const float* norm_w, float eps, float* out, int N, int K,
-                                                         int tokens, float* part, int* tickets, const float* norms) {
+// As gemv1_gate_up_fp8_tokens, split by unit (the arguments as gemv1_fp8_split's); a warp's tile is
+// 8 gate rows (as rows g) and their up rows (as rows g + 8), so a row group holds both halves of
+// its 8 SPLIT_TILES outputs (grid ceil(N / 64)).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
+    gemv1_gate_up_fp8_split(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
+                            const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
+                            float* out, int N, int K, int tokens, float* part, int* tickets, const float* norms) {
     const int mine = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8 + threadIdx.x % 32 / 4;
-    Rows tile;
+    Fp8Rows tile;
     tile.set(0, g, sg, mine < N ? mine : 0, K);
     tile.set(1, u, su, mine < N ? mine : 0, K);
     if (!split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
@@ -1272,50 +1193,11 @@ __device__ __forceinline__ void gemv1_gate_up_split_rows(const W* g, const W* u,
         const int token = i / outputs, o = i % outputs, n = blockIdx.x * outputs + o;
         if (n >= N) continue;
         const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
-        const float s = split_scale(tile, part, norm_w, eps, K, tokens, norms, token);
+        const float s = split_scale(norms, token);
         const float gv = split_sum(part, tokens, token, row) * s + (gate_bias ? gate_bias[n] : 0.0f);
         const float uv = split_sum(part, tokens, token, row + 8) * s + (up_bias ? up_bias[n] : 0.0f);
         out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
     }
-}
-
-// The split kernels: the arguments of the `_tokens` kernels, then the partial sums, the tickets
-// and (FP8 with a norm; else null) the norms' scales.
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_bf16_mma_split(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
-                         const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
-                         const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1,
-                         int n2, int n3, const float* x, const float* norm_w, float eps, const float* residual, int K,
-                         int tokens, float* part, int* tickets, const float* norms) {
-    gemv1_split_rows<Bf16Rows>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w,
-                               eps, residual, K, tokens, part, tickets, norms);
-}
-
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_fp8_split(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const unsigned char* w3,
-                    const float* s0, const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
-                    const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
-                    int n3, const float* x, const float* norm_w, float eps, const float* residual, int K, int tokens,
-                    float* part, int* tickets, const float* norms) {
-    gemv1_split_rows<Fp8Rows>(w0, w1, w2, w3, s0, s1, s2, s3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w,
-                              eps, residual, K, tokens, part, tickets, norms);
-}
-
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_gate_up_bf16_mma_split(const bf16* g, const bf16* u, const float* sg, const float* su,
-                                 const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,
-                                 float eps, float* out, int N, int K, int tokens, float* part, int* tickets,
-                                 const float* norms) {
-    gemv1_gate_up_split_rows<Bf16Rows>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens, part, tickets,
-                                       norms);
-}
-
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
-    gemv1_gate_up_fp8_split(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
-                            const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
-                            float* out, int N, int K, int tokens, float* part, int* tickets, const float* norms) {
-    gemv1_gate_up_split_rows<Fp8Rows>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens, part, tickets,
-                                      norms);
 }
 #endif
 

@@ -168,11 +168,10 @@ impl GpuWeight {
         let several = several || self.lacks_slots(dev);
         match self.format {
             _ if self.split(rows, several, dev) => {
-                // A unit's share of each token's input: f32 (bf16) or f16 (FP8), 16 bytes more.
-                let (block, bytes) = if self.is_fp8() { (FP8_BLOCK, 2) } else { (64, 4) };
-                let share = self.cols.div_ceil(block).div_ceil(SPLIT_UNITS) * block;
+                // A unit's share of each token's input as f16, 16 bytes more.
+                let share = self.cols.div_ceil(FP8_BLOCK).div_ceil(SPLIT_UNITS) * FP8_BLOCK;
                 let grid = [rows.div_ceil(16 * SPLIT_TILES) as u32, SPLIT_UNITS as u32, 1];
-                (grid, [32 * SPLIT_TILES as u32, 1, 1], (tokens * (share * bytes + 16)) as u32)
+                (grid, [32 * SPLIT_TILES as u32, 1, 1], (tokens * (share * 2 + 16)) as u32)
             }
             WeightFormat::Bf16 => {
                 if dev.bf16_mma {
@@ -186,13 +185,8 @@ impl GpuWeight {
                 // Several tokens of one tile without a norm are read in place (fp8_rows_dot).
                 let staged = !(several && tiles == 1 && !normed);
                 let input = if staged { tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 } else { 0 };
-                // One tile streams its weights through slots: one token's, or several where more
-                // blocks an SM fill the grid better so (fp8_tokens_async).
-                let slots = match (dev.async_copy && tiles == 1, several) {
-                    (true, false) => fp8_slots(self.cols, rows, dev),
-                    (true, true) if self.fp8_tokens_async(tokens, rows, normed, dev) => FP8_ASYNC_SLOTS,
-                    _ => 0,
-                } * FP8_SLOT_TILE_BYTES;
+                // One token's tile streams its weights through slots.
+                let slots = if dev.async_copy && tiles == 1 && !several { fp8_slots(self.cols, rows, dev) } else { 0 } * FP8_SLOT_TILE_BYTES;
                 ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], (input + slots) as u32)
             }
             WeightFormat::Packed(format) => {
@@ -247,18 +241,13 @@ impl GpuWeight {
             .unwrap_or(0)
     }
 
-    /// Whether several tokens of this weight take the split kernels (`rows` tile rows): bf16 on
-    /// matrix cores, FP8 where the device has them; a row group's ticket for each 16 SPLIT_TILES
-    /// rows. Each block stages its unit's share of the inputs once for SPLIT_TILES tiles, where
-    /// the `_tokens` kernels read all of every token's input for each tile (kernels/linear.hip);
-    /// a token gets the same bits.
+    /// Whether several tokens of this FP8 weight take the split kernels (`rows` tile rows): where
+    /// the device has them, a row group's ticket for each 16 SPLIT_TILES rows. Each block stages
+    /// its unit's share of the inputs once for SPLIT_TILES tiles, where the `_tokens` kernels
+    /// stage all of every token's input for each tile (kernels/linear.hip); a token gets the same
+    /// bits.
     fn split(&self, rows: usize, several: bool, dev: GemvDevice) -> bool {
-        let format = match self.format {
-            WeightFormat::Bf16 => dev.bf16_mma,
-            WeightFormat::Fp8 { .. } => true,
-            WeightFormat::Packed(_) => false,
-        };
-        dev.split && format && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
+        dev.split && self.is_fp8() && several && rows.div_ceil(16 * SPLIT_TILES) <= SPLIT_MAX_GROUPS
     }
 
     /// Whether this packed weight's one-token kernels need weight slots that its rows cannot have
@@ -268,27 +257,10 @@ impl GpuWeight {
         matches!(self.format, WeightFormat::Packed(f) if packed_slots_unfit(f, self.cols, dev.async_copy))
     }
 
-    /// Whether a launch of `tokens` tokens (of several) of one FP8 tile for `rows` outputs
-    /// streams its weights through the one-token kernel's slots (gemv1_fp8_tokens_async): where
-    /// async copies exist and more blocks share an SM that way (its 66 registers allow three, the
-    /// register pipeline's 120 two; the staged inputs of a norm and the slots must fit) so that
-    /// the grid's last wave is fuller. A grid of a little more than one wave waits on its last
-    /// blocks: the Qwen3.6-27B down projection's 320 blocks took 71.6 µs with two an SM, 57.4
-    /// with three, on an H100; grids that two an SM fill as well keep the registers, which were
-    /// faster there (docs/benchmarks.md).
-    fn fp8_tokens_async(&self, tokens: usize, rows: usize, normed: bool, dev: GemvDevice) -> bool {
-        let staged = if normed { tokens * self.cols.div_ceil(FP8_BLOCK) * FP8_BLOCK * 2 } else { 0 };
-        let block = staged + FP8_ASYNC_SLOTS * FP8_SLOT_TILE_BYTES + FP8_GEMV1_STATIC_SHARED as usize;
-        let per_sm = (dev.max_shared as usize + 1024) / block;
-        let grid = rows.div_ceil(FP8_GEMV_ROWS as usize);
-        let filled = |per_sm: usize| wave_fill(grid, dev.multiprocessors as usize * per_sm);
-        self.is_fp8() && dev.async_copy && dev.multiprocessors > 0 && per_sm >= 3 && filled(3) > filled(2) + 0.1
-    }
-
-    /// The kernel for `tokens` rows of input (a launch of `group` of them) and `rows` weight rows
-    /// (gate/up's paired tiles count both) from its stem ("gemv1", "gemv1_gate_up"), and the
-    /// token count argument that the several-token kernels take after the others.
-    fn gemv1_kernel(&self, stem: &str, tokens: usize, group: usize, rows: usize, normed: bool, dev: GemvDevice) -> (String, Option<Arg>) {
+    /// The kernel for `tokens` rows of input and `rows` weight rows (gate/up's paired tiles count
+    /// both) from its stem ("gemv1", "gemv1_gate_up"), and the token count argument that the
+    /// several-token kernels take after the others.
+    fn gemv1_kernel(&self, stem: &str, tokens: usize, rows: usize, dev: GemvDevice) -> (String, Option<Arg>) {
         let name = match self.format {
             WeightFormat::Bf16 if dev.bf16_mma => format!("{}_mma", self.kernel(stem)),
             WeightFormat::Fp8 { .. } if tokens == 1 && dev.async_copy && fp8_slots(self.cols, rows, dev) == FP8_ASYNC_SLOTS_LONG => {
@@ -296,11 +268,9 @@ impl GpuWeight {
             }
             _ => self.kernel(stem),
         };
-        let async_tokens = stem == "gemv1" && self.fp8_tokens_async(group, rows, normed, dev);
         match tokens {
             1 if !self.lacks_slots(dev) => (name, None),
             _ if self.split(rows, true, dev) => (format!("{name}_split"), Some(Arg::I32(tokens as i32))),
-            _ if async_tokens => (format!("{name}_tokens_async"), Some(Arg::I32(tokens as i32))),
             _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
     }
@@ -313,7 +283,7 @@ impl GpuWeight {
 struct GemvDevice {
     max_shared: u32,
     warp_size: u32,
-    /// Several tokens take the split kernels: mma.sync (NVIDIA sm_80+), and `GpuBackend::split_kernels`.
+    /// Several tokens of FP8 take the split kernels: mma.sync (NVIDIA sm_80+).
     split: bool,
     bf16_mma: bool,
     async_copy: bool,
@@ -339,10 +309,6 @@ pub struct GpuBackend {
     /// The model decodes several sequences side by side (`Backend::plan_sequences`): bf16 one-token
     /// products take their matrix-core kernels where the device has them.
     several_sequences: AtomicBool,
-    /// Several tokens take the split kernels (`GpuWeight::split`) where the device has them: off
-    /// unless ATLAS_SPLIT_KERNELS=1, until they are measured (docs/benchmarks.md);
-    /// `use_split_kernels` sets it.
-    split_kernels: AtomicBool,
     /// The token mask (see `Backend::set_token_mask`) as argmax and top_k read it: the word count
     /// (0: no mask), then the words; made at the first mask and kept (recorded steps point at it).
     token_mask: Mutex<Option<(DeviceBuffer, usize)>>,
@@ -466,7 +432,7 @@ const FP8_GEMV_STATIC_SHARED: u32 = 2_300;
 const FP8_GEMV1_STATIC_SHARED: u32 = 8_500;
 /// Tokens the FP8 one-token kernels take at once (GEMV1_TOKENS in kernels/linear.hip).
 const GEMV1_TOKENS: usize = 8;
-/// The split kernels (gemv1_bf16_mma_split, gemv1_fp8_split and their gate/up forms in
+/// The split kernels (gemv1_fp8_split and gemv1_gate_up_fp8_split in
 /// kernels/linear.hip): the units sharing K (a block each), the 16-row tiles of a row group (a warp
 /// each), and the most row groups a launch may have (one ticket each in `Scratch`).
 const SPLIT_UNITS: usize = 8;
@@ -620,22 +586,14 @@ impl GpuBackend {
             arena_size: INITIAL_ARENA,
             arena_used: 0,
         };
-        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), split_kernels: AtomicBool::new(std::env::var("ATLAS_SPLIT_KERNELS").is_ok_and(|v| v == "1")), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None), kv_pool: Mutex::new(None) }
-    }
-
-    /// Whether several tokens take the split kernels (see `split_kernels`); recorded steps are
-    /// recorded again.
-    pub fn use_split_kernels(&self, on: bool) {
-        if self.split_kernels.swap(on, Ordering::Relaxed) != on {
-            self.forget_recording();
-        }
+        GpuBackend { rt, tickets: Mutex::new(None), rope_table: Mutex::new(None), decode: Mutex::new(decode), several_sequences: AtomicBool::new(false), token_mask: Mutex::new(None), logit_adjust: Mutex::new(None), kv_pool: Mutex::new(None) }
     }
 
     fn gemv_device(&self) -> GemvDevice {
         GemvDevice {
             max_shared: self.rt.max_shared_bytes(),
             warp_size: self.rt.warp_size(),
-            split: self.rt.bf16_gemv_on_matrix_cores() && self.split_kernels.load(Ordering::Relaxed),
+            split: self.rt.bf16_gemv_on_matrix_cores(),
             bf16_mma: self.rt.bf16_gemv_on_matrix_cores() && self.several_sequences.load(Ordering::Relaxed),
             async_copy: self.rt.has_async_copy(),
             multiprocessors: self.rt.multiprocessors(),
@@ -749,7 +707,7 @@ impl GpuBackend {
             args.extend([Arg::Ptr(x.buf.ptr + at(x.cols)), Arg::Ptr(norm_w), Arg::F32(eps), Arg::Ptr(residual), Arg::I32(x.cols as i32)]);
             // An input of several rows takes the several-token kernel even for a last group of one,
             // which gives it the same bits.
-            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, tokens, rows, norm.is_some(), self.gemv_device());
+            let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             let norm_arg = norm.map(|(w, eps)| (w.buf.ptr, eps));
             let split = self.split_args(w, rows, x.buf.ptr + at(x.cols), tokens, norm_arg, x.rows > 1)?;
@@ -761,26 +719,26 @@ impl GpuBackend {
     }
 
     /// The split kernels' last arguments where `w` takes them for `tokens` rows of `x` (from
-    /// `x_ptr`) over `rows` tile rows (`GpuWeight::split`): a temporary for each unit's sums and
-    /// (bf16) squares ([units][tokens][rows of the grid], then [groups][units][GEMV1_TOKENS]),
-    /// the row groups' tickets, and for FP8 with a norm the norm's scale of each token (after the
-    /// sums, from a token_rms_scale launch; else 0). The buffer must outlive the launch.
+    /// `x_ptr`) over `rows` tile rows (`GpuWeight::split`): a temporary for each unit's sums
+    /// ([units][tokens][rows of the grid]), the row groups' tickets, and with a norm the norm's
+    /// scale of each token (after the sums, from a token_rms_scale launch; else 0). The buffer
+    /// must outlive the launch.
     fn split_args(&self, w: &GpuWeight, rows: usize, x_ptr: u64, tokens: usize, norm: Option<(u64, f32)>, several: bool) -> Result<Option<(DeviceBuffer, Vec<Arg>)>> {
         if !w.split(rows, several, self.gemv_device()) {
             return Ok(None);
         }
         let groups = rows.div_ceil(16 * SPLIT_TILES);
-        let sums = byte_size("split partial sums", &[SPLIT_UNITS, groups, 16 * SPLIT_TILES * tokens + GEMV1_TOKENS, 4])?;
+        let sums = byte_size("split partial sums", &[SPLIT_UNITS, tokens, groups * 16 * SPLIT_TILES, 4])?;
         let part = self.scratch(sums + GEMV1_TOKENS * 4)?;
         let mut args = vec![Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS)];
         let norms = match norm {
-            Some((norm_w, eps)) if w.is_fp8() => {
+            Some((norm_w, eps)) => {
                 let norms = part.ptr + sums as u64;
                 let scale_args = [Arg::Ptr(x_ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::I32(w.cols as i32), Arg::Ptr(norms)];
                 self.rt.launch_early("token_rms_scale", [tokens as u32, 1, 1], [FP8_GEMV_THREADS, 1, 1], 0, &scale_args)?;
                 norms
             }
-            _ => 0,
+            None => 0,
         };
         args.push(Arg::Ptr(norms));
         Ok(Some((part, args)))
@@ -1622,10 +1580,10 @@ impl Backend for GpuBackend {
             let (tile_rows, tiles) = match g.format {
                 WeightFormat::Packed(_) => (2 * g.rows, 2),
                 WeightFormat::Fp8 { .. } if x.rows == 1 && dev.async_copy => (2 * g.rows, 1),
-                WeightFormat::Bf16 | WeightFormat::Fp8 { .. } if g.split(2 * g.rows, x.rows > 1, dev) => (2 * g.rows, 1),
+                WeightFormat::Fp8 { .. } if g.split(2 * g.rows, x.rows > 1, dev) => (2 * g.rows, 1),
                 _ => (g.rows, 2),
             };
-            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tokens, tile_rows, true, dev);
+            let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tile_rows, dev);
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
             let split = self.split_args(g, tile_rows, x.buf.ptr + at(x.cols), tokens, Some((norm.buf.ptr, eps)), x.rows > 1)?;
             args.extend(split.iter().flat_map(|s| s.1.iter().copied()));
