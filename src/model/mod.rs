@@ -10,6 +10,7 @@ pub mod safetensors;
 pub mod synthetic;
 pub mod weights;
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::Value;
@@ -209,8 +210,10 @@ pub enum LayerCache<B: Backend> {
     Attention(B::KvCache),
     /// A Gated DeltaNet layer's last `conv_kernel - 1` inputs to its convolution `[1, (K-1)·C]`
     /// and its delta-rule state `[1, value_heads·key_dim·value_dim]`; during a checked step, what
-    /// it takes to go back into it.
-    Recurrent { conv: B::Tensor, state: B::Tensor, checkpoint: Option<Checkpoint<B>> },
+    /// it takes to go back into it; and, by step length, where checked steps keep their inputs
+    /// (made at the first step of that length, then the same memory: a recorded checked step
+    /// writes there at every replay).
+    Recurrent { conv: B::Tensor, state: B::Tensor, checkpoint: Option<Checkpoint<B>>, kept: HashMap<usize, [B::Tensor; 3]> },
 }
 
 /// A recurrent layer's states before a checked step (`StepOutput::ArgmaxEach`, drafted tokens)
@@ -220,8 +223,9 @@ pub enum LayerCache<B: Backend> {
 pub struct Checkpoint<B: Backend> {
     conv: B::Tensor,
     state: B::Tensor,
-    /// The step's inputs to the convolution `[T, C]`, and `a` and `b` `[T, Hv]`.
-    inputs: Option<[B::Tensor; 3]>,
+    /// Set once the step's inputs to the convolution `[T, C]`, and `a` and `b` `[T, Hv]`, are in
+    /// the layer's `kept` tensors for T: T.
+    inputs: Option<usize>,
 }
 
 impl<B: Backend> LayerCache<B> {
@@ -240,34 +244,67 @@ impl<B: Backend> LayerCache<B> {
     }
 
     pub fn new_recurrent(conv: B::Tensor, state: B::Tensor) -> Self {
-        LayerCache::Recurrent { conv, state, checkpoint: None }
+        LayerCache::Recurrent { conv, state, checkpoint: None, kept: HashMap::new() }
     }
 
-    /// Keeps a recurrent layer's step inputs where a checkpoint waits for them (a checked step of
-    /// one sequence); otherwise drops them.
-    pub fn keep_step_inputs(&mut self, inputs: [B::Tensor; 3]) {
-        if let LayerCache::Recurrent { checkpoint: Some(c), .. } = self {
-            c.inputs = Some(inputs);
+    /// Keeps a recurrent layer's inputs of a step of `rows` tokens where a checkpoint waits for
+    /// them (a checked step of one sequence): copies them into its kept tensors for that length.
+    pub fn keep_step_inputs(&mut self, b: &B, rows: usize, inputs: [B::Tensor; 3]) -> Result<()> {
+        let LayerCache::Recurrent { checkpoint: Some(c), kept, .. } = self else { return Ok(()) };
+        match kept.get_mut(&rows) {
+            Some(tensors) => {
+                for (x, to) in inputs.iter().zip(tensors) {
+                    b.restore_tensor(x, to)?;
+                }
+            }
+            None => {
+                let [qkv, a, beta] = &inputs;
+                kept.insert(rows, [b.save_tensor(qkv)?, b.save_tensor(a)?, b.save_tensor(beta)?]);
+            }
+        }
+        c.inputs = Some(rows);
+        Ok(())
+    }
+
+    /// Whether a checked step of `rows` tokens can be recorded: a recurrent layer has its kept
+    /// tensors for that length (made by an earlier step: a recording must not allocate them).
+    fn kept_for(&self, rows: usize) -> bool {
+        match self {
+            LayerCache::Recurrent { kept, .. } => kept.contains_key(&rows),
+            LayerCache::Attention(_) => true,
+        }
+    }
+
+    /// After a replayed checked step of `rows` tokens: its inputs are in the kept tensors the
+    /// recording wrote (as `keep_step_inputs` left them when it was recorded).
+    fn step_inputs_kept(&mut self, rows: usize) {
+        if let LayerCache::Recurrent { checkpoint: Some(c), kept, .. } = self {
+            if kept.contains_key(&rows) {
+                c.inputs = Some(rows);
+            }
         }
     }
 
     /// Puts a recurrent layer's states back as they were before its checked step, and returns
     /// that step's inputs (see `Checkpoint`).
     pub fn back_to_checkpoint(&mut self, b: &B) -> Result<[B::Tensor; 3]> {
-        let LayerCache::Recurrent { conv, state, checkpoint } = self else {
+        let LayerCache::Recurrent { conv, state, checkpoint, kept } = self else {
             return Err(Error::InvalidArgument("a recurrent layer got a KV cache".into()));
         };
-        let Some(Checkpoint { conv: conv_before, state: state_before, inputs: Some(inputs) }) = checkpoint.take() else {
+        let Some(Checkpoint { conv: conv_before, state: state_before, inputs: Some(rows) }) = checkpoint.take() else {
             return Err(Error::InvalidArgument("no checked step of this layer to go back into".into()));
+        };
+        let Some([qkv, a, beta]) = kept.get(&rows) else {
+            return Err(Error::InvalidArgument(format!("no kept inputs of a checked step of {rows} tokens")));
         };
         b.restore_tensor(&conv_before, conv)?;
         b.restore_tensor(&state_before, state)?;
-        Ok(inputs)
+        Ok([b.rows(qkv, 0, rows)?, b.rows(a, 0, rows)?, b.rows(beta, 0, rows)?])
     }
 
     /// Before a checked step: copies a recurrent layer's states to go back to.
     fn set_checkpoint(&mut self, b: &B) -> Result<()> {
-        if let LayerCache::Recurrent { conv, state, checkpoint } = self {
+        if let LayerCache::Recurrent { conv, state, checkpoint, .. } = self {
             *checkpoint = Some(Checkpoint { conv: b.save_tensor(conv)?, state: b.save_tensor(state)?, inputs: None });
         }
         Ok(())
@@ -439,9 +476,10 @@ struct Slot<B: Backend> {
     drafting: bool,
     /// The last step's final hidden states, until the drafting head has read them.
     held: Option<Held<B>>,
-    /// Where a recorded single-token step leaves its final hidden state `[1, H]` (made at the
-    /// first such step): `held` is then a view of it, read before the next replay.
-    hidden_row: Option<B::Tensor>,
+    /// Where recorded steps of T tokens leave their final hidden states `[T, H]`, by T (made
+    /// before the first recording, which must not allocate them): `held` is then a view of one,
+    /// read before the next replay.
+    recorded_hidden: HashMap<usize, B::Tensor>,
     /// Positions whose keys and values the cache holds: a step starts at or before it.
     filled: usize,
     /// Finished (`LanguageModel::finish`) and not claimed since: its blocks may go to others.
@@ -455,7 +493,17 @@ struct Slot<B: Backend> {
 
 impl<B: Backend> Slot<B> {
     fn new(cache: Vec<LayerCache<B>>) -> Self {
-        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, hidden_row: None, filled: 0, idle: false, lost: false, checked: None }
+        Slot { cache, recurrent_at: Some(0), drafting: false, held: None, recorded_hidden: HashMap::new(), filled: 0, idle: false, lost: false, checked: None }
+    }
+
+    /// After a recorded step of `tokens` at `start_pos`: the drafting head's rows are the
+    /// recording's hidden states (with a head; else none).
+    fn hold_recorded(&mut self, b: &B, with_head: bool, tokens: &[u32], start_pos: usize) -> Result<()> {
+        self.held = match self.recorded_hidden.get(&tokens.len()).filter(|_| with_head) {
+            Some(hidden) => Some(Held { hidden: b.rows(hidden, 0, tokens.len())?, start: start_pos, tokens: tokens.to_vec() }),
+            None => None,
+        };
+        Ok(())
     }
 
     /// Frees the checkpoints of the last checked step: another step or a restore changes the states.
@@ -493,6 +541,8 @@ pub struct Bound<B: Backend> {
     passes: usize,
     /// False once the backend failed to record a decode step: later steps run without a graph.
     recordable: bool,
+    /// The same for checked steps of one sequence (several tokens).
+    checked_recordable: bool,
     costs: StepCosts,
 }
 
@@ -552,7 +602,7 @@ impl<B: Backend + 'static> Bound<B> {
         let cache = model.new_cache(&backend, ctx_size)?;
         let recurrent = cache.iter().any(|c| matches!(c, LayerCache::Recurrent { .. }));
         let slots = vec![Slot::new(cache)];
-        Ok(Bound { backend, model, slots, current: 0, recurrent, ctx_size, passes: 0, recordable: true, costs: StepCosts::default() })
+        Ok(Bound { backend, model, slots, current: 0, recurrent, ctx_size, passes: 0, recordable: true, checked_recordable: true, costs: StepCosts::default() })
     }
 
     /// The checks every step makes of one sequence's tokens before they reach a backend.
@@ -612,7 +662,7 @@ impl<B: Backend + 'static> Bound<B> {
             // The recorded steps point at the old caches' block tables.
             let cache = self.model.new_cache(&self.backend, self.ctx_size)?;
             let slot = &mut self.slots[i];
-            *slot = Slot { drafting: slot.drafting, hidden_row: slot.hidden_row.take(), lost: true, idle: true, ..Slot::new(cache) };
+            *slot = Slot { drafting: slot.drafting, recorded_hidden: std::mem::take(&mut slot.recorded_hidden), lost: true, idle: true, ..Slot::new(cache) };
             emptied += 1;
         }
         Ok(emptied)
@@ -1047,24 +1097,23 @@ impl<B: Backend + 'static> Bound<B> {
         }
         if let ([token], true) = (tokens, self.passes > 0 && self.recordable && !every_row) {
             let (b, model) = (&self.backend, &self.model);
-            let hidden_width = model.config().hidden_size;
             let slot = &mut self.slots[current];
-            if head.is_some() && slot.hidden_row.is_none() {
-                slot.hidden_row = Some(b.upload_vector(&vec![0.0; hidden_width])?);
+            if head.is_some() && !slot.recorded_hidden.contains_key(&1) {
+                slot.recorded_hidden.insert(1, b.upload_vector(&vec![0.0; model.config().hidden_size])?);
             }
-            let (cache, hidden_row) = (&mut slot.cache, &mut slot.hidden_row);
+            let (cache, recorded_hidden) = (&mut slot.cache, &mut slot.recorded_hidden);
             let mut seqs = [Seq { start_pos, len: 1, cache }];
             // Each slot has its own recordings (they point at its caches), one keeping the
             // final hidden state for the drafting head and one not.
             let key = 2 * current + usize::from(head.is_some());
             let queued = b.replay_decode(key, *token, start_pos, want)? || {
-                let mut step = || match (head, hidden_row.as_mut()) {
-                    (Some(head), Some(row)) => {
+                let mut step = || match head {
+                    Some(head) => {
                         let (hidden, logits) = head.forward_hidden(b, tokens, &mut seqs, LogitRows::Last)?;
-                        b.restore_tensor(&hidden, row)?;
+                        keep_hidden(b, recorded_hidden, 1, hidden)?;
                         Ok(logits)
                     }
-                    _ => model.forward(b, tokens, &mut seqs, LogitRows::Last),
+                    None => model.forward(b, tokens, &mut seqs, LogitRows::Last),
                 };
                 match b.record_decode(key, *token, start_pos, vocab, want, &mut step) {
                     Ok(recorded) => recorded,
@@ -1078,15 +1127,18 @@ impl<B: Backend + 'static> Bound<B> {
                 }
             };
             if queued {
-                let slot = &mut self.slots[current];
-                slot.held = match (head, &slot.hidden_row) {
-                    (Some(_), Some(row)) => Some(Held { hidden: self.backend.rows(row, 0, 1)?, start: start_pos, tokens: vec![*token] }),
-                    _ => None,
-                };
+                self.slots[current].hold_recorded(&self.backend, head.is_some(), tokens, start_pos)?;
                 let mask_changed = set_mask(&self.backend, meanwhile)?;
                 return self.backend.recorded_output(want, mask_changed);
             }
         }
+        if let (StepOutput::ArgmaxEach { limit }, true) = (want, tokens.len() > 1 && self.passes > 0 && self.checked_recordable) {
+            if let Some(logits) = self.recorded_checked_step(tokens, start_pos)? {
+                set_mask(&self.backend, meanwhile)?;
+                return Ok(StepResult::Tokens(self.backend.argmax_rows(&logits, limit)?));
+            }
+        }
+        let head = self.model.draft_head().filter(|_| self.slots[current].drafting);
         self.passes += 1;
         let (b, model) = (&self.backend, &self.model);
         let slot = &mut self.slots[current];
@@ -1095,6 +1147,10 @@ impl<B: Backend + 'static> Bound<B> {
             Some(head) => {
                 let mut seqs = [Seq { start_pos, len: tokens.len(), cache: &mut slot.cache }];
                 let (hidden, logits) = head.forward_hidden(b, tokens, &mut seqs, rows)?;
+                if matches!(want, StepOutput::ArgmaxEach { .. }) && !slot.recorded_hidden.contains_key(&tokens.len()) {
+                    // Where later checked steps of this length, recorded, leave theirs.
+                    slot.recorded_hidden.insert(tokens.len(), b.save_tensor(&hidden)?);
+                }
                 slot.held = Some(Held { hidden, start: start_pos, tokens: tokens.to_vec() });
                 logits
             }
@@ -1107,6 +1163,61 @@ impl<B: Backend + 'static> Bound<B> {
         set_mask(b, meanwhile)?;
         choose(b, &logits, want)
     }
+    /// A checked step of one sequence (`ArgmaxEach`, the drafts' check) as a recorded pass, one
+    /// recording per slot, drafting head and step length (they point at that slot's caches and
+    /// kept tensors): replayed, or recorded now. Its logits `[T, vocab]`, valid until the next
+    /// recording; None where the backend records none (the step has not run). A recording the
+    /// driver refuses turns such recordings off for this model (nothing ran).
+    fn recorded_checked_step(&mut self, tokens: &[u32], start_pos: usize) -> Result<Option<B::Tensor>> {
+        let (b, model, current) = (&self.backend, &self.model, self.current);
+        let head = model.draft_head().filter(|_| self.slots[current].drafting);
+        let slot = &self.slots[current];
+        // The first step of this length runs as it is, making what the recording writes into.
+        if !slot.cache.iter().all(|layer| layer.kept_for(tokens.len())) || (head.is_some() && !slot.recorded_hidden.contains_key(&tokens.len())) {
+            return Ok(None);
+        }
+        // Never a batch's key (a batch's are its slots).
+        let key = [usize::MAX, 2 * current + usize::from(head.is_some()), tokens.len()];
+        let positions: Vec<usize> = (start_pos..start_pos + tokens.len()).collect();
+        let mut logits = b.replay_batch(&key, tokens, &positions)?;
+        if logits.is_none() {
+            let slot = &mut self.slots[current];
+            let (cache, recorded_hidden) = (&mut slot.cache, &mut slot.recorded_hidden);
+            let mut forward = || {
+                let mut seqs = [Seq { start_pos, len: tokens.len(), cache: &mut *cache }];
+                match head {
+                    Some(head) => {
+                        let (hidden, logits) = head.forward_hidden(b, tokens, &mut seqs, LogitRows::All)?;
+                        keep_hidden(b, recorded_hidden, tokens.len(), hidden)?;
+                        Ok(logits)
+                    }
+                    None => model.forward(b, tokens, &mut seqs, LogitRows::All),
+                }
+            };
+            logits = match b.record_batch(&key, tokens, &positions, model.config().vocab_size, &mut forward) {
+                Ok(logits) => logits,
+                Err(Error::Device(_) | Error::Unsupported(_)) => {
+                    self.checked_recordable = false;
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+        }
+        if logits.is_some() {
+            self.passes += 1;
+            let slot = &mut self.slots[current];
+            slot.cache.iter_mut().for_each(|layer| layer.step_inputs_kept(tokens.len()));
+            slot.hold_recorded(b, head.is_some(), tokens, start_pos)?;
+        }
+        Ok(logits)
+    }
+}
+
+/// Copies a recorded step's final hidden states `[T, H]` to where its replays leave them
+/// (`Slot::recorded_hidden`, made before the recording).
+fn keep_hidden<B: Backend>(b: &B, recorded_hidden: &mut HashMap<usize, B::Tensor>, rows: usize, hidden: B::Tensor) -> Result<()> {
+    let to = recorded_hidden.get_mut(&rows).ok_or_else(|| Error::InvalidArgument(format!("no room for the hidden states of a recorded step of {rows} tokens")))?;
+    b.restore_tensor(&hidden, to)
 }
 
 /// What `want` asks of a step's logits.

@@ -146,7 +146,7 @@ fn delta_net<B: Backend>(
 ) -> Result<B::Tensor> {
     if let [seq] = seqs {
         let o = recurrence(b, [&qkv, &a, &beta], weights, &mut seq.cache[layer], shape)?;
-        seq.cache[layer].keep_step_inputs([qkv, a, beta]);
+        seq.cache[layer].keep_step_inputs(b, seq.len, [qkv, a, beta])?;
         return Ok(o);
     }
     if seqs.len() > 1 && seqs.iter().all(|s| s.len == 1) {
