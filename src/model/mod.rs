@@ -1163,6 +1163,7 @@ impl<B: Backend + 'static> Bound<B> {
         set_mask(b, meanwhile)?;
         choose(b, &logits, want)
     }
+
     /// A checked step of one sequence (`ArgmaxEach`, the drafts' check) as a recorded pass, one
     /// recording per slot, drafting head and step length (they point at that slot's caches and
     /// kept tensors): replayed, or recorded now. Its logits `[T, vocab]`, valid until the next
