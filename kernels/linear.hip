@@ -275,6 +275,17 @@ ATLAS_KERNEL void gemv1_bf16_tokens(const bf16* w0, const bf16* w1, const bf16* 
                                                     norm_w, eps, residual, K, tokens);
 }
 
+// The same for up to 4 tokens (checking 3 drafts): room for fewer tokens takes fewer registers
+// (ptxas, sm_90: 128 against 197, two blocks an SM against one), and each token the same sums.
+ATLAS_KERNEL void gemv1_bf16_tokens4(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const float* s0,
+                                     const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
+                                     const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3,
+                                     int n0, int n1, int n2, int n3, const float* x, const float* norm_w, float eps,
+                                     const float* residual, int K, int tokens) {
+    gemv1_bf16_rows<GEMV_TOKENS_ROWS, 4>(w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, x, norm_w, eps,
+                                         residual, K, tokens);
+}
+
 // The gated MLP's first half: out[n] = silu(x·G[n] + gb[n]) * (x·U[n] + ub[n]), ROWS values of n
 // per warp (so 2 * ROWS weight rows), for `tokens` rows of x (out [tokens, N]). K % 8 == 0; sg, su
 // unused (as gemv1_gate_up_fp8's).
@@ -317,6 +328,12 @@ ATLAS_KERNEL void gemv1_gate_up_bf16_tokens(const bf16* g, const bf16* u, const 
                                             const float* gate_bias, const float* up_bias, const float* x,
                                             const float* norm_w, float eps, float* out, int N, int K, int tokens) {
     gemv1_gate_up_bf16_rows<GEMV_TOKENS_ROWS, GEMV1_TOKENS>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
+}
+
+ATLAS_KERNEL void gemv1_gate_up_bf16_tokens4(const bf16* g, const bf16* u, const float* sg, const float* su,
+                                             const float* gate_bias, const float* up_bias, const float* x,
+                                             const float* norm_w, float eps, float* out, int N, int K, int tokens) {
+    gemv1_gate_up_bf16_rows<GEMV_TOKENS_ROWS, 4>(g, u, gate_bias, up_bias, x, norm_w, eps, out, N, K, tokens);
 }
 
 // FP8 block-scaled weights (common/fp8.h) on matrix cores (fp8_rows_mma): a block takes 16 output

@@ -271,6 +271,8 @@ impl GpuWeight {
         match tokens {
             1 if !self.lacks_slots(dev) => (name, None),
             _ if self.split(rows, true, dev) => (format!("{name}_split"), Some(Arg::I32(tokens as i32))),
+            // Up to 4 tokens of bf16 on CUDA cores: a form with fewer registers, the same sums.
+            _ if tokens <= 4 && matches!(self.format, WeightFormat::Bf16) && !dev.bf16_mma => (format!("{name}_tokens4"), Some(Arg::I32(tokens as i32))),
             _ => (format!("{name}_tokens"), Some(Arg::I32(tokens as i32))),
         }
     }
