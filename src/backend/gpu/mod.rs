@@ -158,7 +158,9 @@ impl GpuWeight {
     /// place; fp8 stages it as f16 in whole 128-column blocks (fp8_rows_dot; several tokens of
     /// one tile without a norm read it in place), packed formats in whole 256-column steps
     /// (pk_rows_dot; several tokens without a norm read it in place; the one-token kernels with
-    /// weight slots launch at most a wave of blocks, `packed_wave`, each taking several tiles).
+    /// weight slots launch at most a wave of blocks, `packed_wave`, each taking several tiles);
+    /// several FP8 tokens on matrix cores take the split kernels (`split`: a block for each
+    /// unit's share of K in 16 SPLIT_TILES rows, that share of each token's input staged as f16).
     /// `tiles`: 16-row tiles a block takes at once (gemv1 1; gate/up 2, or 1 for FP8's one-token
     /// kernel where it pairs 8 gate rows with their up rows): the FP8 one-tile kernels have weight
     /// slots where async copies exist, so they are the largest launch (what the fits checks
