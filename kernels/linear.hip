@@ -719,33 +719,6 @@ __device__ __forceinline__ void bf16_split8(const float (&x)[8], unsigned int (&
     }
 }
 
-// Chunk c's eight inputs (a, b) as the bf16 matrix-core kernels feed them: with a norm (wt), their
-// squares added to ss in order and the values times its weights; then split into hi and lo.
-__device__ __forceinline__ void bf16_chunk_input(float4 a, float4 b, const float4* wt, int c, int chunks, float& ss,
-                                                 unsigned int (&hi)[4], unsigned int (&lo)[4]) {
-    if (wt) {
-        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-        for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
-        if (c < chunks) {
-            const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
-            a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
-            b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
-        }
-    }
-    const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    bf16_split8(xc, hi, lo);
-}
-
-// One tile's products over a chunk: rows g, g + 8 (rg, rg8) times hi into acc[0], times lo into acc[1].
-__device__ __forceinline__ void bf16_chunk_mma(float (&acc)[2][4], uint4 rg, uint4 rg8, const unsigned int (&hi)[4],
-                                               const unsigned int (&lo)[4]) {
-    bf16_rows_mma(acc[0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
-    bf16_rows_mma(acc[0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
-    bf16_rows_mma(acc[1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
-    bf16_rows_mma(acc[1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
-}
-
 template <int TILES, int TOKENS, int SLOTS>
 __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const float* x, const float* norm_w,
                                          float eps, int K, int tokens, float (&out)[TILES]) {
@@ -811,10 +784,27 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
                 a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
                 b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
             }
-            unsigned int hi[4], lo[4];
-            bf16_chunk_input(a, b, wt, c, chunks, ss, hi, lo);
+            if (wt) {
+                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-            for (int i = 0; i < TILES; i++) bf16_chunk_mma(acc[i], st.w[i][0][j], st.w[i][1][j], hi, lo);
+                for (int e = 0; e < 8; e++) ss = __fmaf_rn(v[e], v[e], ss);
+                if (c < chunks) {
+                    const float4 wa = wt[2 * c], wb = wt[2 * c + 1];
+                    a = make_float4(a.x * wa.x, a.y * wa.y, a.z * wa.z, a.w * wa.w);
+                    b = make_float4(b.x * wb.x, b.y * wb.y, b.z * wb.z, b.w * wb.w);
+                }
+            }
+            const float xc[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            unsigned int hi[4], lo[4];
+            bf16_split8(xc, hi, lo);
+#pragma unroll
+            for (int i = 0; i < TILES; i++) {
+                const uint4 rg = st.w[i][0][j], rg8 = st.w[i][1][j];
+                bf16_rows_mma(acc[i][0], rg.x, rg8.x, rg.y, rg8.y, hi[0], hi[1]);
+                bf16_rows_mma(acc[i][0], rg.z, rg8.z, rg.w, rg8.w, hi[2], hi[3]);
+                bf16_rows_mma(acc[i][1], rg.x, rg8.x, rg.y, rg8.y, lo[0], lo[1]);
+                bf16_rows_mma(acc[i][1], rg.z, rg8.z, rg.w, rg8.w, lo[2], lo[3]);
+            }
         }
     };
     pipeline_drain(st, unit, FP8_UNITS, kblocks, fetch, consume);
