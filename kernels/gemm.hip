@@ -200,15 +200,15 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[GEMM_TM][GEMM_TN][MMA
     }
 }
 
-// Block id -> the block's tile (t0, n0): column-major within bands of GEMM_GROUP_T T tiles (a
-// bijection on the grid).
-__device__ __forceinline__ void gemm_tile_of_block(int& t0, int& n0) {
+// Block id -> the block's tile (t0, n0) of bn rows of W: column-major within bands of GEMM_GROUP_T
+// T tiles (a bijection on the grid).
+__device__ __forceinline__ void gemm_tile_of_block(int& t0, int& n0, int bn = GEMM_BN) {
     const int gx = gridDim.x, id = blockIdx.y * gx + blockIdx.x;
     const int first = (id / (GEMM_GROUP_T * gx)) * GEMM_GROUP_T;
     const int rows = min((int)gridDim.y - first, GEMM_GROUP_T);
     const int local = id - first * gx;
     t0 = (first + local % rows) * GEMM_BM;
-    n0 = (local / rows) * GEMM_BN;
+    n0 = (local / rows) * bn;
 }
 
 template <int KIND>
@@ -280,6 +280,18 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
 //   of later steps are in flight while a step's products run; FP8 codes land raw and are decoded
 //   into one of two bf16 W tiles while the previous step's products run.
 //   Dynamic shared memory GEMM_WG_SHARED_BF16 / GEMM_WG_SHARED_FP8.
+// - gemm_wg_bf16_wide: gemm_wg_bf16 over tiles of 128 tokens x 256 rows of W (N % 256 == 0),
+//   GWW_STAGES stages, one block an SM. A step loads 48 KB for 2 M products where two square
+//   blocks load 64 KB (the x tile is read once per 256 rows of W instead of once per 128): less
+//   of what L2 delivers for the same products. Each half of the W tile takes the 128-row
+//   kernel's products in its order, so both give the same bits. Taken where its grid fills every
+//   SM at least once (fewer, larger blocks leave SMs idle on small prefills).
+//   Grid (N / 256, ceil(T / 128)); dynamic shared memory GEMM_WG_SHARED_WIDE.
+// - gemm_wg_bf16_gate_up: the MLP's first half in one launch, y [T, N] =
+//   silu(x gateᵀ + gate_bias) * (x upᵀ + up_bias) for gate and up [N, K] (N % 128 == 0): the wide
+//   tile's halves are 128 gate rows and the same 128 up rows, so each output's two sums meet in
+//   one thread, each as its own GEMM gives it, and are combined as silu_mul combines them. Grid
+//   (N / 128, ceil(T / 128)); shared memory as the wide kernels'.
 // - gemm_wg_packed takes gemm_packed's arguments (x f32): each step's runs are decoded in
 //   registers (common/packed.h) while the previous step's products run, two stages.
 //   Dynamic shared memory GEMM_WG_SHARED_PACKED.
@@ -289,7 +301,10 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
 #define GWG_TILE (GEMM_BM * GWG_BK * 2)  // bytes of one bf16 x or W tile (GEMM_BN == GEMM_BM)
 #define GWG_RAW (GEMM_BN * GWG_BK)       // bytes of one tile of FP8 codes
 #define GWG_STAGES 3
+#define GWW_BN 256
+#define GWW_STAGES 4
 #define GEMM_WG_SHARED_BF16 (GWG_STAGES * 2 * GWG_TILE + 1024)
+#define GEMM_WG_SHARED_WIDE (GWW_STAGES * (1 + GWW_BN / GEMM_BM) * GWG_TILE + 1024)
 #define GEMM_WG_SHARED_FP8 ((GWG_STAGES + 2) * GWG_TILE + GWG_STAGES * (GWG_RAW + 16) + 1024)
 #define GEMM_WG_SHARED_PACKED (4 * GWG_TILE + 1024)
 static_assert(GEMM_BN == GEMM_BM && GEMM_THREADS == 256, "two warpgroups, square tiles");
@@ -301,13 +316,18 @@ __device__ __forceinline__ unsigned char* gwg_tiles() {
     return gwg_raw + ((1024 - (at & 1023)) & 1023);
 }
 
-// One step's four products of this warpgroup's 64 tokens against the W tile.
-__device__ __forceinline__ void gwg_products(float (&d)[64], const unsigned char* xs, const unsigned char* ws) {
+// One step's products of this warpgroup's 64 tokens against the W tile's H halves of 128 rows
+// (d[h] for half h): four a half, each half's in k order.
+template <int H>
+__device__ __forceinline__ void gwg_products(float (&d)[H][64], const unsigned char* xs, const unsigned char* ws) {
     const int group = threadIdx.x / 128;
-    wg_fence_operands(d);
+#pragma unroll
+    for (int h = 0; h < H; h++) wg_fence_operands(d[h]);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < GWG_BK; kk += 16) wg_mma_64x128x16(d, wg_desc(xs + group * 64 * 128, kk), wg_desc(ws, kk), true);
+    for (int kk = 0; kk < GWG_BK; kk += 16)
+#pragma unroll
+        for (int h = 0; h < H; h++) wg_mma_64x128x16(d[h], wg_desc(xs + group * 64 * 128, kk), wg_desc(ws + h * GWG_TILE, kk), true);
     wg_commit();
 }
 
@@ -325,34 +345,69 @@ __device__ __forceinline__ void gwg_store(const float (&d)[64], const float* bia
     }
 }
 
-template <bool FP8>
+// silu(gate) * up of the 64 x 128 outputs gwg_store would write of each, the two sums as those
+// of separate GEMMs and silu_mul then give them (the same bits).
+__device__ __forceinline__ void gwg_store_gate_up(const float (&g)[64], const float (&u)[64], const float* gate_bias,
+                                                  const float* up_bias, float* y, int N, int T, int t0, int n0) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, group = threadIdx.x / 128;
+#pragma unroll
+    for (int i = 0; i < 64; i++) {
+        const int t = t0 + group * 64 + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
+        const int n = n0 + 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+        if (t < T) {
+            const float gv = g[i] + (gate_bias ? gate_bias[n] : 0.0f) + 0.0f;
+            const float uv = u[i] + (up_bias ? up_bias[n] : 0.0f) + 0.0f;
+            y[(long)t * N + n] = gv / (1.0f + expf(-gv)) * uv;
+        }
+    }
+}
+
+// BN rows of W a block (bf16: 128 or 256; FP8: 128), STAGES stages. The W tile's half h (of 128
+// rows): rows n0 + 128 h ... of W; or, GATE_UP (bf16, BN 256), rows n0 ... of the gate matrix (W)
+// for h = 0 and of the up matrix (W2) for h = 1, whose products the block combines as silu_mul
+// does (y [T, N], N the matrices' rows; bias: the gate's, bias2: the up's).
+template <bool FP8, int BN, int STAGES, bool GATE_UP = false>
 __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const float* scales, const bf16* xb,
-                                              const float* bias, const float* residual, float* y, int N, int K, int T) {
+                                              const float* bias, const float* residual, float* y, int N, int K, int T,
+                                              const unsigned char* W2 = nullptr, const float* bias2 = nullptr) {
+    constexpr int H = BN / GEMM_BM;  // W tiles of 128 rows a stage
+    static_assert(!FP8 || H == 1, "FP8 decodes one W tile of 128 rows");
+    static_assert(!GATE_UP || H == 2, "a gate half and an up half");
     unsigned char* tiles = gwg_tiles();
     int t0, n0;
-    gemm_tile_of_block(t0, n0);
+    gemm_tile_of_block(t0, n0, GATE_UP ? GEMM_BM : BN);
+    auto w_row = [&](int r) {  // row r of the W tile
+        const long bytes = FP8 ? 1 : 2;
+        if (GATE_UP) return (r < GEMM_BM ? W : W2) + (n0 + r % GEMM_BM) * K * bytes;
+        return W + (n0 + r) * K * bytes;
+    };
     const int steps = K / GWG_BK, tid = threadIdx.x;
-    // bf16: stage j is an x tile and a W tile. FP8: x tiles, then two decoded W tiles (by step
+    // bf16: stage j is an x tile and H W tiles. FP8: x tiles, then two decoded W tiles (by step
     // parity), then the stages' raw codes and scales.
-    auto x_tile = [&](int j) { return tiles + (FP8 ? j : 2 * j) * GWG_TILE; };
-    auto w_tile = [&](int j) { return tiles + (FP8 ? GWG_STAGES + (j & 1) : 2 * j + 1) * GWG_TILE; };
-    unsigned char* raw = tiles + (GWG_STAGES + 2) * GWG_TILE;
-    float* raw_scale = (float*)(raw + GWG_STAGES * GWG_RAW);
+    auto x_tile = [&](int j) { return tiles + (FP8 ? j : (1 + H) * j) * GWG_TILE; };
+    auto w_tile = [&](int j) { return tiles + (FP8 ? STAGES + (j & 1) : (1 + H) * j + 1) * GWG_TILE; };
+    unsigned char* raw = tiles + (STAGES + 2) * GWG_TILE;
+    float* raw_scale = (float*)(raw + STAGES * GWG_RAW);
 
     auto issue = [&](int step) {  // one commit group per call, empty past the last step
         if (step < steps) {
-            const int j = step % GWG_STAGES, k0 = step * GWG_BK;
+            const int j = step % STAGES, k0 = step * GWG_BK;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int e = tid + i * GEMM_THREADS, r = e >> 3, c = 8 * (e & 7), t = t0 + r;
                 async_copy16(x_tile(j) + wg_swizzle(r, c), xb + (long)min(t, T - 1) * K + k0 + c, t < T);
-                if (!FP8) async_copy16(w_tile(j) + wg_swizzle(r, c), (const bf16*)W + (long)(n0 + r) * K + k0 + c, true);
             }
-            if (FP8) {
+            if (!FP8) {
+#pragma unroll
+                for (int i = 0; i < 4 * H; i++) {
+                    const int e = tid + i * GEMM_THREADS, r = e >> 3, c = 8 * (e & 7);
+                    async_copy16(w_tile(j) + wg_swizzle(r, c), (const bf16*)w_row(r) + k0 + c, true);
+                }
+            } else {
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     const int e = tid + i * GEMM_THREADS, r = e >> 2, c = 16 * (e & 3);
-                    async_copy16(raw + j * GWG_RAW + r * GWG_BK + c, W + (long)(n0 + r) * K + k0 + c, true);
+                    async_copy16(raw + j * GWG_RAW + r * GWG_BK + c, w_row(r) + k0 + c, true);
                 }
                 if (tid == 0)
                     async_copy4(raw_scale + j, scales + (n0 / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK) + k0 / FP8_BLOCK, true);
@@ -363,13 +418,13 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
 
     // Every thread's copies of the oldest step not yet waited for have landed, seen by all.
     auto landed = [&]() {
-        async_wait<GWG_STAGES - 2>();
+        async_wait<STAGES - 2>();
         wg_proxy_fence();
         __syncthreads();
     };
     // FP8: a step's codes into its decoded W tile.
     auto decode = [&](int step) {
-        const int j = step % GWG_STAGES;
+        const int j = step % STAGES;
         const float scale = fp8_scale(raw_scale[j]);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -381,10 +436,12 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
         __syncthreads();
     };
 
-    float d[64];
+    float d[H][64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) d[i] = 0.0f;
-    for (int s = 0; s < GWG_STAGES - 1; s++) issue(s);
+    for (int h = 0; h < H; h++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) d[h][i] = 0.0f;
+    for (int s = 0; s < STAGES - 1; s++) issue(s);
     if (FP8) {
         landed();
         decode(0);
@@ -393,15 +450,16 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
     // products, its zeroed accumulators meeting theirs).
     int step = 0;
     do {
-        const int j = step % GWG_STAGES;
+        const int j = step % STAGES;
         if (!FP8) landed();
-        gwg_products(d, x_tile(j), FP8 ? w_tile(step) : w_tile(j));
+        gwg_products<H>(d, x_tile(j), FP8 ? w_tile(step) : w_tile(j));
         // The previous step's products are done (this step's may still run): its stage, and for
         // FP8 its decoded W tile, may be refilled once every thread has seen that.
         wg_wait1();
-        wg_fence_operands(d);
+#pragma unroll
+        for (int h = 0; h < H; h++) wg_fence_operands(d[h]);
         __syncthreads();
-        issue(step + GWG_STAGES - 1);
+        issue(step + STAGES - 1);
         // FP8 decodes the next step while this one's products run.
         if (FP8 && step + 1 < steps) {
             landed();
@@ -409,19 +467,37 @@ __device__ __forceinline__ void gemm_wg_async(const unsigned char* W, const floa
         }
     } while (++step < steps);
     wg_wait0();
-    wg_fence_operands(d);
-    gwg_store(d, bias, residual, y, N, T, t0, n0);
+#pragma unroll
+    for (int h = 0; h < H; h++) wg_fence_operands(d[h]);
+    if constexpr (GATE_UP) {
+        gwg_store_gate_up(d[0], d[H - 1], bias, bias2, y, N, T, t0, n0);
+    } else {
+#pragma unroll
+        for (int h = 0; h < H; h++) gwg_store(d[h], bias, residual, y, N, T, t0, n0 + h * GEMM_BM);
+    }
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
     gemm_wg_bf16(const bf16* W, const bf16* xb, const float* bias, const float* residual, float* y, int N, int K, int T) {
-    gemm_wg_async<false>((const unsigned char*)W, nullptr, xb, bias, residual, y, N, K, T);
+    gemm_wg_async<false, GEMM_BN, GWG_STAGES>((const unsigned char*)W, nullptr, xb, bias, residual, y, N, K, T);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
+    gemm_wg_bf16_wide(const bf16* W, const bf16* xb, const float* bias, const float* residual, float* y, int N, int K, int T) {
+    gemm_wg_async<false, GWW_BN, GWW_STAGES>((const unsigned char*)W, nullptr, xb, bias, residual, y, N, K, T);
+}
+
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
+    gemm_wg_bf16_gate_up(const bf16* gate, const bf16* up, const bf16* xb, const float* gate_bias, const float* up_bias,
+                         float* y, int N, int K, int T) {
+    gemm_wg_async<false, GWW_BN, GWW_STAGES, true>((const unsigned char*)gate, nullptr, xb, gate_bias, nullptr, y, N, K, T,
+                                                   (const unsigned char*)up, up_bias);
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 2)
     gemm_wg_fp8(const unsigned char* W, const float* scales, const bf16* xb, const float* bias, const float* residual,
                 float* y, int N, int K, int T) {
-    gemm_wg_async<true>(W, scales, xb, bias, residual, y, N, K, T);
+    gemm_wg_async<true, GEMM_BN, GWG_STAGES>(W, scales, xb, bias, residual, y, N, K, T);
 }
 
 // gemm_wg_packed: a step of x (f32) and of W's runs in registers, one run a thread.
@@ -472,9 +548,9 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
     unsigned char* tiles = gwg_tiles();
     int t0, n0;
     gemm_tile_of_block(t0, n0);
-    float d[64];
+    float d[1][64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) d[i] = 0.0f;
+    for (int i = 0; i < 64; i++) d[0][i] = 0.0f;
     const int steps = K / GWG_BK;
     gwg_stage s;
     gwg_fetch(s, W, fmt, x, N, K, T, n0, t0, 0);
@@ -485,7 +561,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
         unsigned char* xs = tiles + (step & 1) * 2 * GWG_TILE;
         const bool more = step + 1 < steps;
         if (more) gwg_fetch(s, W, fmt, x, N, K, T, n0, t0, (step + 1) * GWG_BK);
-        gwg_products(d, xs, xs + GWG_TILE);
+        gwg_products<1>(d, xs, xs + GWG_TILE);
         if (more) {
             // The other stage was last read by the previous step's products, waited for below.
             unsigned char* nx = tiles + ((step + 1) & 1) * 2 * GWG_TILE;
@@ -495,6 +571,6 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(GEMM_THREADS, 1)
         wg_wait0();
         __syncthreads();
     }
-    gwg_store(d, bias, residual, y, N, T, t0, n0);
+    gwg_store(d[0], bias, residual, y, N, T, t0, n0);
 }
 #endif

@@ -303,6 +303,59 @@ fn embedding_linear_and_argmax() {
     }
 }
 
+/// A token's row of a prefill product does not depend on how many tokens share the launch. On
+/// Hopper, 131 tokens of 12,288 rows take the square 128 x 128 wgmma tiles (96 of them, fewer than
+/// the SMs), 300 tokens the wide 128 x 256 ones (gemm_wg_bf16_wide: 144 tiles; an FP8 weight is
+/// decoded per tile below 256 tokens, widened to bf16 from there). Each row of the first 131 must
+/// keep its bits, and both stay within bf16 rounding of the CPU.
+#[test]
+fn prefill_rows_keep_their_bits_whatever_the_tile() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(21);
+    let (n, k) = (12_288, 512);
+    for fp8 in [false, true] {
+        let (cw, gw) = matrix_pair(&mut rng, fp8, n, k);
+        let gw = g.upload_weight(gw).unwrap();
+        let bias = pair(&g, 1, n, random(&mut rng, n, 0.5));
+        let x = random(&mut rng, 300 * k, 1.0);
+        let what = if fp8 { "fp8" } else { "bf16" };
+        let mut outputs = Vec::new();
+        for t in [131, 300] {
+            let x = pair(&g, t, k, x[..t * k].to_vec());
+            poison(&g, t, n);
+            let got = g.linear(&x.gpu, &gw, Some(&bias.gpu)).unwrap();
+            let want = c.linear(&x.cpu, &cw, Some(&bias.cpu)).unwrap();
+            check(&g, &got, &want, 1e-2, &format!("linear {what} T={t} N={n} K={k}"));
+            outputs.push(g.to_host(&got).unwrap());
+        }
+        let rows = 131 * n;
+        let differ = outputs[0].iter().zip(&outputs[1][..rows]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differ, 0, "{what}: {differ} of the first 131 tokens' outputs changed with 300 tokens in the launch");
+
+        // The MLP's first half: 100 tokens take two GEMMs (square tiles) and silu_mul, 300 one
+        // GEMM whose tiles pair gate and up rows (gemm_wg_*_gate_up).
+        let (gate, up) = (matrix_pair(&mut rng, fp8, n, k), matrix_pair(&mut rng, fp8, n, k));
+        let (ggate, gup) = (g.upload_weight(gate.1).unwrap(), g.upload_weight(up.1).unwrap());
+        let norm = pair(&g, 1, k, random(&mut rng, k, 1.5));
+        let up_bias = pair(&g, 1, n, random(&mut rng, n, 0.5));
+        let mut outputs = Vec::new();
+        for t in [100, 300] {
+            let x = pair(&g, t, k, x[..t * k].to_vec());
+            poison(&g, t, n);
+            let (gp, up_p) = (Proj { weight: &ggate, bias: None }, Proj { weight: &gup, bias: Some(&up_bias.gpu) });
+            let got = g.norm_silu_gate_up(&x.gpu, &norm.gpu, 1e-6, gp, up_p).unwrap();
+            let (gp, up_p) = (Proj { weight: &gate.0, bias: None }, Proj { weight: &up.0, bias: Some(&up_bias.cpu) });
+            let want = c.norm_silu_gate_up(&x.cpu, &norm.cpu, 1e-6, gp, up_p).unwrap();
+            check(&g, &got, &want, 1e-2, &format!("norm_silu_gate_up {what} T={t} N={n} K={k}"));
+            outputs.push(g.to_host(&got).unwrap());
+        }
+        let rows = 100 * n;
+        let differ = outputs[0].iter().zip(&outputs[1][..rows]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differ, 0, "{what}: {differ} of the first 100 tokens' gated products changed with 300 tokens in the launch");
+    }
+}
+
 #[test]
 fn attention_prefill_then_decode() {
     let Some(g) = gpu() else { return };

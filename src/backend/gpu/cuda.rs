@@ -94,7 +94,7 @@ const MMA_KERNELS: [&str; 7] = [
 ];
 
 /// Kernels that exist only where wgmma does (kernels/gemm.hip, sm_90a).
-const WGMMA_KERNELS: [&str; 3] = ["gemm_wg_bf16", "gemm_wg_fp8", "gemm_wg_packed"];
+const WGMMA_KERNELS: [&str; 5] = ["gemm_wg_bf16", "gemm_wg_bf16_wide", "gemm_wg_bf16_gate_up", "gemm_wg_fp8", "gemm_wg_packed"];
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("CUDA {what}: {e:?}"))

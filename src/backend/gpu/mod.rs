@@ -413,6 +413,10 @@ const GWG_TILE: u32 = 128 * 64 * 2;
 const GEMM_WG_SHARED_BF16: u32 = 3 * 2 * GWG_TILE + 1024;
 const GEMM_WG_SHARED_FP8: u32 = 5 * GWG_TILE + 3 * (128 * 64 + 16) + 1024;
 const GEMM_WG_SHARED_PACKED: u32 = 4 * GWG_TILE + 1024;
+/// gemm_wg_bf16_wide and gemm_wg_bf16_gate_up: W tiles of GEMM_WG_WIDE_BN rows, four stages of an
+/// x tile and two W tiles.
+const GEMM_WG_WIDE_BN: usize = 256;
+const GEMM_WG_SHARED_WIDE: u32 = 4 * 3 * GWG_TILE + 1024;
 /// From this many tokens a packed or FP8 weight is decoded to bf16 for the streamed wgmma GEMM
 /// (the decode costs about as much as 50 tokens of products); below, gemm_wg_packed and
 /// gemm_wg_fp8 decode it per tile.
@@ -787,18 +791,79 @@ impl GpuBackend {
             args.push(Arg::Ptr(w.scales()));
         }
         if wgmma {
-            // These take x in bf16: rounded once here rather than once per tile of W.
-            let xb = self.tensor(t, k / 2)?;
-            let values = t * k;
-            let round = [Arg::Ptr(x.buf.ptr), Arg::Ptr(xb.buf.ptr), Arg::I64(values as i64)];
-            self.rt.launch("to_bf16", [blocks(values / 8, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &round)?;
+            let xb = self.wgmma_input(x)?;
             args.push(Arg::Ptr(xb.buf.ptr));
             args.extend(common.into_iter().skip(1).chain(sizes));
+            // Wide tiles where they fill the device (the same bits as the square ones).
+            if !fp8 && self.wide_gemm_fits(n, t) {
+                let grid = [(n / GEMM_WG_WIDE_BN) as u32, blocks(t, GEMM_BM as u32), 1];
+                return self.rt.launch("gemm_wg_bf16_wide", grid, [GEMM_THREADS, 1, 1], GEMM_WG_SHARED_WIDE, &args);
+            }
             let (kernel, shared) = if fp8 { ("gemm_wg_fp8", GEMM_WG_SHARED_FP8) } else { ("gemm_wg_bf16", GEMM_WG_SHARED_BF16) };
             return self.rt.launch(kernel, grid, [GEMM_THREADS, 1, 1], shared, &args);
         }
         args.extend(common.into_iter().chain(sizes));
         self.rt.launch(&w.kernel("gemm"), grid, [GEMM_THREADS, 1, 1], 0, &args)
+    }
+
+    /// x [T, K] rounded to bf16, as the wgmma GEMMs take it: once here rather than once per tile
+    /// of W (K % 8 == 0).
+    fn wgmma_input(&self, x: &GpuTensor) -> Result<GpuTensor> {
+        let xb = self.tensor(x.rows, x.cols / 2)?;
+        let values = x.rows * x.cols;
+        let round = [Arg::Ptr(x.buf.ptr), Arg::Ptr(xb.buf.ptr), Arg::I64(values as i64)];
+        self.rt.launch("to_bf16", [blocks(values / 8, BLOCK), 1, 1], [BLOCK, 1, 1], 0, &round)?;
+        Ok(xb)
+    }
+
+    /// silu(x gateᵀ) * (x upᵀ) (with their biases) in one wgmma GEMM whose wide tiles pair 128
+    /// gate rows with the same 128 up rows (gemm_wg_bf16_gate_up; packed and FP8 weights widened
+    /// to bf16 first, as `matmul` widens them): the bits of two GEMMs and silu_mul, without
+    /// writing and reading back both products. None where it does not take the shapes, formats
+    /// or token count.
+    fn gate_up_gemm(&self, x: &GpuTensor, gate: &Proj<'_, Self>, up: &Proj<'_, Self>) -> Result<Option<GpuTensor>> {
+        let (g, u) = (gate.weight, up.weight);
+        let (n, k, t) = (g.rows, g.cols, x.rows);
+        let shapes = (u.rows, u.cols) == (n, k) && x.cols == k && n.is_multiple_of(GEMM_BN) && k.is_multiple_of(GEMM_WG_BK);
+        let tiles = n / GEMM_BN * t.div_ceil(GEMM_BM);
+        let widen = !g.is_bf16();
+        if !self.rt.has_wgmma()
+            || g.suffix() != u.suffix()
+            || !shapes
+            || tiles < self.rt.multiprocessors() as usize
+            || self.rt.max_shared_bytes() < GEMM_WG_SHARED_WIDE
+            || (widen && t < WIDEN_MIN_T)
+        {
+            return Ok(None);
+        }
+        let widened = if widen { Some((self.widen_to_bf16(g)?, self.widen_to_bf16(u)?)) } else { None };
+        let (gate_ptr, up_ptr) = widened.as_ref().map_or((g.buf.ptr, u.buf.ptr), |(gw, uw)| (gw.buf.ptr, uw.buf.ptr));
+        let xb = self.wgmma_input(x)?;
+        let y = self.tensor(t, n)?;
+        let args = [
+            Arg::Ptr(gate_ptr),
+            Arg::Ptr(up_ptr),
+            Arg::Ptr(xb.buf.ptr),
+            Arg::Ptr(gate.bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(up.bias.map_or(0, |b| b.buf.ptr)),
+            Arg::Ptr(y.buf.ptr),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I32(t as i32),
+        ];
+        let grid = [(n / GEMM_BN) as u32, blocks(t, GEMM_BM as u32), 1];
+        self.rt.launch("gemm_wg_bf16_gate_up", grid, [GEMM_THREADS, 1, 1], GEMM_WG_SHARED_WIDE, &args)?;
+        Ok(Some(y))
+    }
+
+    /// Whether the bf16 wgmma GEMM of `n` rows over `t` tokens takes the wide tiles
+    /// (gemm_wg_bf16_wide, the same bits as gemm_wg_bf16): whole tiles of 256 rows, enough of them
+    /// for a block on every SM (one block an SM fits), and the shared memory for its stages.
+    fn wide_gemm_fits(&self, n: usize, t: usize) -> bool {
+        let tiles = n / GEMM_WG_WIDE_BN * t.div_ceil(GEMM_BM);
+        n.is_multiple_of(GEMM_WG_WIDE_BN)
+            && tiles >= self.rt.multiprocessors() as usize
+            && self.rt.max_shared_bytes() >= GEMM_WG_SHARED_WIDE
     }
 
     /// A packed or FP8 weight decoded to bf16 [rows, cols] (a temporary; cols % 32 == 0).
@@ -1554,6 +1619,9 @@ impl Backend for GpuBackend {
             && g.suffix() == u.suffix();
         if !fused {
             let xn = self.rms_norm(x, norm, eps)?;
+            if let Some(out) = self.gate_up_gemm(&xn, &gate, &up)? {
+                return Ok(out);
+            }
             let gv = self.linear(&xn, g, gate.bias)?;
             let uv = self.linear(&xn, u, up.bias)?;
             return self.silu_mul(&gv, &uv);
