@@ -67,14 +67,23 @@ pub struct BenchArgs {
 
 /// Decode tokens per second of `streams` greedy generations of `n` tokens run at once, one per
 /// engine, each after a prompt of `prompt_len` random tokens: all tokens over the time from the
-/// first decode step to the last answer.
+/// first decode step to the last answer. Each engine reads its prompt first (a one-token request,
+/// whose cache the timed request reuses but for its last token), so that the streams decode
+/// together from the start: the figure is their decode rate, not the others' prompts read
+/// between one stream's steps.
 fn streams_rate(engines: &mut [Engine], prompts: Vec<Vec<u32>>, n: usize) -> Result<f64> {
+    let ready = std::sync::Barrier::new(engines.len());
     let results: Vec<Result<(Instant, Instant, usize)>> = std::thread::scope(|s| {
         let running: Vec<_> = engines
             .iter_mut()
             .zip(prompts)
             .map(|(engine, prompt)| {
+                let ready = &ready;
                 s.spawn(move || {
+                    // Every thread reaches the barrier, whatever its warm-up gave.
+                    let warm = engine.generate_raw(&one_token(prompt.clone()));
+                    ready.wait();
+                    warm?;
                     let begin = Instant::now();
                     let out = engine.generate_raw(&atlas::GenerateRequest { max_tokens: Some(n), ..one_token(prompt) })?;
                     let decoding = begin + std::time::Duration::from_secs_f64(out.prompt_ms / 1e3);
