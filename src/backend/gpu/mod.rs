@@ -825,15 +825,8 @@ impl GpuBackend {
         let (g, u) = (gate.weight, up.weight);
         let (n, k, t) = (g.rows, g.cols, x.rows);
         let shapes = (u.rows, u.cols) == (n, k) && x.cols == k && n.is_multiple_of(GEMM_BN) && k.is_multiple_of(GEMM_WG_BK);
-        let tiles = n / GEMM_BN * t.div_ceil(GEMM_BM);
-        let widen = !g.is_bf16();
-        if !self.rt.has_wgmma()
-            || g.suffix() != u.suffix()
-            || !shapes
-            || tiles < self.rt.multiprocessors() as usize
-            || self.rt.max_shared_bytes() < GEMM_WG_SHARED_WIDE
-            || (widen && t < WIDEN_MIN_T)
-        {
+        let (widen, tiles) = (!g.is_bf16(), n / GEMM_BN * t.div_ceil(GEMM_BM));
+        if !self.rt.has_wgmma() || g.suffix() != u.suffix() || !shapes || !self.wide_tiles_fill(tiles) || (widen && t < WIDEN_MIN_T) {
             return Ok(None);
         }
         let widened = if widen { Some((self.widen_to_bf16(g)?, self.widen_to_bf16(u)?)) } else { None };
@@ -857,13 +850,16 @@ impl GpuBackend {
     }
 
     /// Whether the bf16 wgmma GEMM of `n` rows over `t` tokens takes the wide tiles
-    /// (gemm_wg_bf16_wide, the same bits as gemm_wg_bf16): whole tiles of 256 rows, enough of them
-    /// for a block on every SM (one block an SM fits), and the shared memory for its stages.
+    /// (gemm_wg_bf16_wide, the same bits as gemm_wg_bf16): whole tiles of 256 rows that fill the
+    /// device.
     fn wide_gemm_fits(&self, n: usize, t: usize) -> bool {
-        let tiles = n / GEMM_WG_WIDE_BN * t.div_ceil(GEMM_BM);
-        n.is_multiple_of(GEMM_WG_WIDE_BN)
-            && tiles >= self.rt.multiprocessors() as usize
-            && self.rt.max_shared_bytes() >= GEMM_WG_SHARED_WIDE
+        n.is_multiple_of(GEMM_WG_WIDE_BN) && self.wide_tiles_fill(n / GEMM_WG_WIDE_BN * t.div_ceil(GEMM_BM))
+    }
+
+    /// Whether a grid of `tiles` blocks of the wide-tile kernels (one block an SM fits) gives every
+    /// SM a block, and the device has the shared memory for their stages.
+    fn wide_tiles_fill(&self, tiles: usize) -> bool {
+        tiles >= self.rt.multiprocessors() as usize && self.rt.max_shared_bytes() >= GEMM_WG_SHARED_WIDE
     }
 
     /// A packed or FP8 weight decoded to bf16 [rows, cols] (a temporary; cols % 32 == 0).
