@@ -452,7 +452,7 @@ struct Fp8Stage {
 // slot: the blocks, and the order, that the register pipeline gives it, so both give the same
 // bits. Rows are FP8_SLOT_ROW bytes apart (1 KB + 64) so that lanes reading rows g and g + 1 hit
 // different banks. Gate/up takes them as one tile of 8 gate rows and their 8 up rows
-// (gemv1_gate_up_fp8_paired): two tiles' slots would leave room for one block an SM. Three slots, or two
+// (gemv1_gate_up_paired): two tiles' slots would leave room for one block an SM. Three slots, or two
 // for long rows (gemv1_fp8_long): there three slots and the staged input leave room for two blocks
 // an SM, and a grid of a little more than a wave of them waits on its last blocks (an H200, the
 // Qwen3.6-27B down projection, K 17408: 38.2 us with three slots, 28.9 with two, three blocks an SM).
@@ -697,8 +697,8 @@ __device__ __forceinline__ void fp8_rows_dot(const Fp8Rows (&tiles)[TILES], cons
 // place, times norm_w as it is used, and the norm's sum of squares is taken from the same values on
 // the way (each lane its own, then the quad, then the units in order: one token's the same as
 // several's); no pass over the input before the products (eight tokens' took as long as a tenth of
-// the weights, in every block). Launch: grid ceil(output rows / 16), block FP8_UNITS * 32, no
-// dynamic shared memory. Needs K % 8 == 0.
+// the weights, in every block). Launch: grid ceil(output rows / 16), block FP8_UNITS * 32, dynamic
+// shared memory K * 4 bytes when `norm_w` is given (its weights), else none. Needs K % 8 == 0.
 #define BF16_MMA_BLOCK 64
 
 #if BF16_ROWS_MMA
@@ -726,10 +726,11 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
     __shared__ float squares[FP8_UNITS][TOKENS];  // each unit's part of each token's sum of squares
     const int unit = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int chunks = K / 8, kblocks = (K + BF16_MMA_BLOCK - 1) / BF16_MMA_BLOCK;
-    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block; with one tile also this lane's
-    // input there (x[j][half]: its chunks' 8 values), loaded a step ahead as the weights are, once
-    // the previous kernel has written it (their L2 latency is otherwise every step's; two tiles
-    // would spill the registers it takes).
+    // One tile: a block of two would spill the registers that prefetching its input takes.
+    static_assert(TILES == 1, "bf16 on matrix cores takes one tile a block");
+    // [tile][row g, g + 8][chunk t, t + 4] of one 64-column block, and this lane's input there
+    // (x[j][half]: its chunks' 8 values), loaded a step ahead as the weights are, once the
+    // previous kernel has written it (their L2 latency is otherwise every step's).
     struct Stage {
         uint4 w[TILES][2][2];
         float4 x[2][2];
@@ -756,34 +757,34 @@ __device__ __forceinline__ void rows_dot(const Bf16Rows (&tiles)[TILES], const f
     const float4* xt = nullptr;  // this lane's input row, once the previous kernel has written it
     auto fetch = [&](Stage& stage, int kb) {
         stage.fetch(tiles, kb, chunks, t);
-        if constexpr (TILES == 1) {
-            if (xt) stage.fetch_x(xt, kb, chunks, t);
-        }
+        if (xt) stage.fetch_x(xt, kb, chunks, t);
     };
     pdl_launch_dependents();
     pipeline_fill(st, unit, FP8_UNITS, fetch);
+    // The norm's weights, copied into shared memory behind the first weights: read from there,
+    // each step's would wait out an L2 latency (the streamed weights evict them from L1).
+    extern __shared__ __attribute__((aligned(16))) float4 bf16_norm_w[];
+    if (norm_w) {
+        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) async_copy16(&bf16_norm_w[i], (const float4*)norm_w + i, true);
+        async_commit();
+    }
     pdl_wait();  // weights are constant; x, the outputs and the residual belong to the previous kernel
     // This lane's B column holds token g (token 0 when there are fewer: its column is not read).
     xt = (const float4*)(x + (long)(g < tokens ? g : 0) * K);
-    if constexpr (TILES == 1) {
 #pragma unroll
-        for (int s = 0; s < 2; s++) st[s].fetch_x(xt, unit + s * FP8_UNITS, chunks, t);
+    for (int s = 0; s < 2; s++) st[s].fetch_x(xt, unit + s * FP8_UNITS, chunks, t);
+    if (norm_w) {
+        async_wait<0>();
+        __syncthreads();
     }
-    const float4* wt = (const float4*)norm_w;
+    const float4* wt = norm_w ? bf16_norm_w : nullptr;
     float acc[TILES][2][4] = {};  // [tile][hi, lo chain][mma accumulator]
     float ss = 0.0f;              // token g's squares over this lane's values, in the order it meets them
     auto consume = [&](const Stage& st, int kb) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int c = kb * 8 + j * 4 + t;
-            float4 a, b;
-            if constexpr (TILES == 1) {
-                a = st.x[j][0];
-                b = st.x[j][1];
-            } else {
-                a = c < chunks ? xt[2 * c] : make_float4(0, 0, 0, 0);
-                b = c < chunks ? xt[2 * c + 1] : make_float4(0, 0, 0, 0);
-            }
+            float4 a = st.x[j][0], b = st.x[j][1];
             if (wt) {
                 const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -909,8 +910,8 @@ ATLAS_KERNEL void gemv1_fp8_tokens(const unsigned char* w0, const unsigned char*
                                  norm_w, eps, residual, K, tokens);
 }
 
-// As gemv1_gate_up_bf16, in tiles (as gemv1_tiled_rows): FP8 weights with scale
-// grids sg, su, or bf16 on matrix cores, for `tokens` rows of x (out [tokens, N]).
+// As gemv1_gate_up_bf16, in tiles (as gemv1_tiled_rows): FP8 weights with scale grids sg, su, a
+// tile of 16 gate rows and one of their 16 up rows, for `tokens` rows of x (out [tokens, N]).
 template <class Rows, class W, int TOKENS>
 __device__ __forceinline__ void gemv1_gate_up_tiled_rows(const W* g, const W* u, const float* sg, const float* su,
                                                          const float* gate_bias, const float* up_bias, const float* x,
@@ -932,28 +933,30 @@ __device__ __forceinline__ void gemv1_gate_up_tiled_rows(const W* g, const W* u,
     out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
-// One token where async copies exist: a block's one tile is 8 gate rows (as rows g) and the same
-// 8 up rows (as rows g + 8), streamed through Fp8Async's SLOTS slots as gemv1_fp8's are (the two
-// tiles' slots would leave one block an SM). A row's sum does not depend on the tile row it takes,
-// so each output gets the bits of gemv1_gate_up_fp8_tokens. Launch: grid ceil(N / 8).
-template <int SLOTS>
-__device__ __forceinline__ void gemv1_gate_up_fp8_paired(const unsigned char* g, const unsigned char* u, const float* sg,
-                                                         const float* su, const float* gate_bias, const float* up_bias,
-                                                         const float* x, const float* norm_w, float eps, float* out,
-                                                         int N, int K) {
+// A block's one tile is 8 gate rows (as rows g) and the same 8 up rows (as rows g + 8), for
+// `tokens` (<= TOKENS) rows of x: FP8's one-token kernel streams them through Fp8Async's SLOTS slots
+// as gemv1_fp8's are (the two tiles' slots would leave one block an SM); bf16 on matrix cores
+// prefetches the input with the weights, which a block of two tiles has no registers for. A row's
+// sum does not depend on the tile row it takes, so each output gets the bits of
+// gemv1_gate_up_tiled_rows. Launch: grid ceil(N / 8).
+template <class Rows, class W, int TOKENS, int SLOTS>
+__device__ __forceinline__ void gemv1_gate_up_paired(const W* g, const W* u, const float* sg, const float* su,
+                                                     const float* gate_bias, const float* up_bias, const float* x,
+                                                     const float* norm_w, float eps, float* out, int N, int K,
+                                                     int tokens) {
     const int mine = blockIdx.x * 8 + threadIdx.x % 32 / 4, n_lane = mine < N ? mine : 0;
-    Fp8Rows tile[1];
+    Rows tile[1];
     tile[0].set(0, g, sg, n_lane, K);
     tile[0].set(1, u, su, n_lane, K);
     float sum[1] = {0.0f};
-    rows_dot<1, 1, SLOTS>(tile, x, norm_w, eps, K, 1, sum);
-    // Thread r (< 16) holds tile row r: gate row 8 blockIdx.x + r at r < 8, its up row at r + 8.
-    if (threadIdx.x >= 32) return;
+    rows_dot<1, TOKENS, SLOTS>(tile, x, norm_w, eps, K, tokens, sum);
+    // Thread 16 token + r holds tile row r of that token: gate row 8 blockIdx.x + r at r < 8, its
+    // up row at r + 8 (every lane takes part in the shuffle; only those below 16 tokens hold sums).
     const float up_sum = shfl(sum[0], (threadIdx.x + 8) % 32);
-    const int n = blockIdx.x * 8 + threadIdx.x;
-    if (threadIdx.x >= 8 || n >= N) return;
+    const int r = threadIdx.x % 16, token = threadIdx.x / 16, n = blockIdx.x * 8 + r;
+    if (r >= 8 || token >= tokens || n >= N) return;
     const float gv = sum[0] + (gate_bias ? gate_bias[n] : 0.0f), uv = up_sum + (up_bias ? up_bias[n] : 0.0f);
-    out[n] = gv / (1.0f + expf(-gv)) * uv;
+    out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;
 }
 
 #if ASYNC_COPY
@@ -961,7 +964,7 @@ __device__ __forceinline__ void gemv1_gate_up_fp8_paired(const unsigned char* g,
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 3) gemv1_gate_up_fp8(const unsigned char* g, const unsigned char* u, const float* sg,
                                     const float* su, const float* gate_bias, const float* up_bias, const float* x,
                                     const float* norm_w, float eps, float* out, int N, int K) {
-    gemv1_gate_up_fp8_paired<FP8_ASYNC_SLOTS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K);
+    gemv1_gate_up_paired<Fp8Rows, unsigned char, 1, FP8_ASYNC_SLOTS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
 }
 #else
 // Without async copies, two tiles of 16 rows (gate and up) in registers, grid ceil(N / 16). Two
@@ -977,7 +980,8 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2) gemv1_gate_up_fp8(const
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 3) gemv1_gate_up_fp8_long(const unsigned char* g, const unsigned char* u, const float* sg,
                                     const float* su, const float* gate_bias, const float* up_bias, const float* x,
                                     const float* norm_w, float eps, float* out, int N, int K) {
-    gemv1_gate_up_fp8_paired<FP8_ASYNC_SLOTS_LONG>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K);
+    gemv1_gate_up_paired<Fp8Rows, unsigned char, 1, FP8_ASYNC_SLOTS_LONG>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N,
+                                                                      K, 1);
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
@@ -1014,14 +1018,14 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     gemv1_gate_up_bf16_mma(const bf16* g, const bf16* u, const float* sg, const float* su, const float* gate_bias,
                            const float* up_bias, const float* x, const float* norm_w, float eps, float* out, int N,
                            int K) {
-    gemv1_gate_up_tiled_rows<Bf16Rows, bf16, 1>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
+    gemv1_gate_up_paired<Bf16Rows, bf16, 1, 0>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K, 1);
 }
 
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(FP8_UNITS * 32, 2)
     gemv1_gate_up_bf16_mma_tokens(const bf16* g, const bf16* u, const float* sg, const float* su,
                                   const float* gate_bias, const float* up_bias, const float* x, const float* norm_w,
                                   float eps, float* out, int N, int K, int tokens) {
-    gemv1_gate_up_tiled_rows<Bf16Rows, bf16, GEMV1_TOKENS>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K,
+    gemv1_gate_up_paired<Bf16Rows, bf16, GEMV1_TOKENS, 0>(g, u, sg, su, gate_bias, up_bias, x, norm_w, eps, out, N, K,
                                                            tokens);
 }
 

@@ -4,7 +4,9 @@
 // word count mask[0] is non-zero, leaves out every id i whose bit i % 32 of mask[1 + i / 32] is
 // clear, and every id past the mask (top_k below takes the same mask). Each block reduces a strided share of the logits and writes its best to
 // part_v/part_i [gridDim.x]; the last block to finish (a ticket, reset afterwards) reduces those in
-// block order. Launch: grid ARGMAX_BLOCKS, block 256.
+// block order. Rows of logits [gridDim.y, n] at once (a decode step of several sequences): row y
+// has its own part_v/part_i [y * gridDim.x ..], ticket[y] and out[y], and the same result alone.
+// Launch: grid (ARGMAX_BLOCKS, rows), block 256.
 #include "common/portable.h"
 
 #define ARGMAX_BLOCKS 128
@@ -66,6 +68,11 @@ ATLAS_KERNEL void argmax(const float* logits, int n, int limit, const int* limit
     __shared__ int is_last;
     if (limit_dev) limit = *limit_dev;
     const int end = min(n, limit);
+    logits += (long)blockIdx.y * n;
+    part_v += blockIdx.y * gridDim.x;
+    part_i += blockIdx.y * gridDim.x;
+    ticket += blockIdx.y;
+    out += blockIdx.y;
     int count;
     const unsigned* words = token_mask_words(mask, &count);
     float v = NEG_INF;

@@ -278,6 +278,16 @@ fn embedding_linear_and_argmax() {
     assert_eq!(g.argmax(&t, usize::MAX).unwrap(), best);
     let limited = atlas::sampling::argmax(&logits[..1000]);
     assert_eq!(g.argmax(&t, 1000).unwrap(), limited);
+    // Rows of a batched step, more than one launch takes (8): each row its own choice, ties to
+    // the lower id (rounded values repeat), with and without a limit.
+    let (rows, vocab) = (11, 50_000);
+    let mut batch = random(&mut rng, rows * vocab, 5.0);
+    batch.iter_mut().step_by(3).for_each(|v| *v = v.round());
+    let bt = g.upload_f32(rows, vocab, &batch).unwrap();
+    for limit in [usize::MAX, 777] {
+        let want: Vec<u32> = batch.chunks(vocab).map(|row| atlas::sampling::argmax(&row[..limit.min(vocab)])).collect();
+        assert_eq!(g.argmax_rows(&bt, limit).unwrap(), want, "argmax_rows, limit {limit}");
+    }
 
     // Top-k candidates for sampling: exact, ordered by value then id, with ties and a limit.
     let mut tied = random(&mut rng, 151_936, 5.0);

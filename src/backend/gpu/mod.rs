@@ -162,7 +162,7 @@ impl GpuWeight {
     /// several FP8 tokens on matrix cores take the split kernels (`split`: a block for each
     /// unit's share of K in 16 SPLIT_TILES rows, that share of each token's input staged as f16).
     /// `tiles`: 16-row tiles a block takes at once (gemv1 1; gate/up 2, or 1 for FP8's one-token
-    /// kernel where it pairs 8 gate rows with their up rows): the FP8 one-tile kernels have weight
+    /// kernel and bf16's on matrix cores, which pair 8 gate rows with their up rows): the FP8 one-tile kernels have weight
     /// slots where async copies exist, so they are the largest launch (what the fits checks
     /// measure). `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens` this
     /// launch takes.
@@ -177,7 +177,9 @@ impl GpuWeight {
             }
             WeightFormat::Bf16 => {
                 if dev.bf16_mma {
-                    return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], 0);
+                    // The norm's weights, staged.
+                    let shared = if normed { self.cols * 4 } else { 0 };
+                    return ([blocks(rows, FP8_GEMV_ROWS), 1, 1], [FP8_GEMV_THREADS, 1, 1], shared as u32);
                 }
                 let shared = if normed { (tokens * self.cols * 4) as u32 } else { 0 };
                 let per_warp = if several { GEMV_TOKENS_ROWS } else { GEMV_ROWS };
@@ -525,6 +527,8 @@ const MAX_KV_HEADS: usize = 1024;
 /// The attention kernels' largest head (their tiles pad smaller ones); rotary pairs need it even.
 const MAX_HEAD_DIM: usize = 256;
 const ARGMAX_BLOCKS: u32 = 128;
+/// Rows of logits one argmax launch takes (each with its own ticket and partial results).
+const ARGMAX_ROWS: usize = 8;
 const TOPK_BLOCKS: u32 = 128;
 const LOGZ_BLOCKS: u32 = 128;
 const DRAW_BLOCKS: u32 = 128;
@@ -537,9 +541,9 @@ struct Scratch;
 
 impl Scratch {
     const ARGMAX_TICKET: u64 = MAX_KV_HEADS as u64 * 4;
-    const ARGMAX_V: u64 = Self::ARGMAX_TICKET + 4;
-    const ARGMAX_I: u64 = Self::ARGMAX_V + ARGMAX_BLOCKS as u64 * 4;
-    const TOPK_TICKET: u64 = Self::ARGMAX_I + ARGMAX_BLOCKS as u64 * 4;
+    const ARGMAX_V: u64 = Self::ARGMAX_TICKET + ARGMAX_ROWS as u64 * 4;
+    const ARGMAX_I: u64 = Self::ARGMAX_V + (ARGMAX_ROWS * ARGMAX_BLOCKS as usize) as u64 * 4;
+    const TOPK_TICKET: u64 = Self::ARGMAX_I + (ARGMAX_ROWS * ARGMAX_BLOCKS as usize) as u64 * 4;
     const TOPK_V: u64 = Self::TOPK_TICKET + 4;
     const TOPK_I: u64 = Self::TOPK_V + TOPK_PARTIAL as u64 * 4;
     const TOPK_OUT_V: u64 = Self::TOPK_I + TOPK_PARTIAL as u64 * 4;
@@ -1091,8 +1095,10 @@ impl GpuBackend {
         Ok(t)
     }
 
-    /// Queues the argmax of the first `limit` (or *limit_dev) logits into `out` (one i32).
-    fn launch_argmax(&self, logits: &GpuTensor, limit: usize, limit_dev: u64, out: u64) -> Result<()> {
+    /// Queues the argmax of the first `limit` (or *limit_dev) logits of each of the first `rows`
+    /// (at most ARGMAX_ROWS) rows of `logits` into out[row] (an i32 each).
+    fn launch_argmax(&self, logits: &GpuTensor, rows: usize, limit: usize, limit_dev: u64, out: u64) -> Result<()> {
+        debug_assert!((1..=ARGMAX_ROWS).contains(&rows));
         let limit = Arg::I32(limit.min(i32::MAX as usize) as i32);
         let base = self.tickets()?;
         let (ticket, part_v, part_i) = (base + Scratch::ARGMAX_TICKET, base + Scratch::ARGMAX_V, base + Scratch::ARGMAX_I);
@@ -1107,7 +1113,7 @@ impl GpuBackend {
             Arg::Ptr(ticket),
             Arg::Ptr(out),
         ];
-        self.rt.launch("argmax", [ARGMAX_BLOCKS, 1, 1], [256, 1, 1], 0, &args)
+        self.rt.launch("argmax", [ARGMAX_BLOCKS, rows as u32, 1], [256, 1, 1], 0, &args)
     }
 
     /// The `k` (at most MAX_DEVICE_TOP_K) largest of the first `limit` logits, largest first.
@@ -1641,12 +1647,13 @@ impl Backend for GpuBackend {
                 Arg::I32(g.rows as i32),
                 Arg::I32(g.cols as i32),
             ];
-            // The packed kernels, FP8's one-token kernel where it has weight slots and the split
-            // kernels take 8 gate rows and their 8 up rows a tile (as 16 rows); the others two
-            // tiles of 16 rows.
+            // The packed kernels, FP8's one-token kernel where it has weight slots, the split
+            // kernels and bf16 on matrix cores take 8 gate rows and their 8 up rows a tile (as 16
+            // rows); the others two tiles of 16 rows.
             let dev = self.gemv_device();
             let (tile_rows, tiles) = match g.format {
                 WeightFormat::Packed(_) => (2 * g.rows, 2),
+                WeightFormat::Bf16 if dev.bf16_mma => (2 * g.rows, 1),
                 WeightFormat::Fp8 { .. } if x.rows == 1 && dev.async_copy => (2 * g.rows, 1),
                 WeightFormat::Fp8 { .. } if g.split(2 * g.rows, x.rows > 1, dev) => (2 * g.rows, 1),
                 _ => (g.rows, 2),
@@ -1887,16 +1894,18 @@ impl Backend for GpuBackend {
     fn argmax(&self, x: &GpuTensor, limit: usize) -> Result<u32> {
         self.adjust_logits(x)?;
         let out = self.scratch(4)?;
-        self.launch_argmax(x, limit, 0, out.ptr)?;
+        self.launch_argmax(x, 1, limit, 0, out.ptr)?;
         self.download_token(out.ptr)
     }
 
     fn argmax_rows(&self, x: &GpuTensor, limit: usize) -> Result<Vec<u32>> {
         let out = self.scratch(4 * x.rows.max(1))?;
         for r in 0..x.rows {
-            let row = Self::row_view(x, r);
-            self.adjust_logits(&row)?;
-            self.launch_argmax(&row, limit, 0, out.ptr + 4 * r as u64)?;
+            self.adjust_logits(&Self::row_view(x, r))?;
+        }
+        for first in (0..x.rows).step_by(ARGMAX_ROWS) {
+            let rows = ARGMAX_ROWS.min(x.rows - first);
+            self.launch_argmax(&Self::row_view(x, first), rows, limit, 0, out.ptr + 4 * first as u64)?;
         }
         let mut ids = vec![0u8; 4 * x.rows];
         self.rt.download(out.ptr, &mut ids)?;
@@ -2058,7 +2067,7 @@ impl Backend for GpuBackend {
             StepOutput::Argmax { limit } => {
                 if mask_changed {
                     // The recording chose under the previous mask: choose again (the logits adjusted already).
-                    self.launch_argmax(&g.logits, limit, 0, g.token.ptr)?;
+                    self.launch_argmax(&g.logits, 1, limit, 0, g.token.ptr)?;
                 }
                 Ok(StepResult::Token(self.download_token(g.token.ptr)?))
             }
@@ -2099,7 +2108,7 @@ impl Backend for GpuBackend {
             }
             self.rt.copy(logits.buf.ptr, out.buf.ptr, logits_bytes)?;
             self.adjust_logits(&logits)?;
-            self.launch_argmax(&logits, vocab, inputs + 8, token_out.ptr)
+            self.launch_argmax(&logits, 1, vocab, inputs + 8, token_out.ptr)
         })?;
         let exec = capture.end()?;
         // Capturing records without running: run it once now.
