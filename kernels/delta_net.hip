@@ -253,11 +253,12 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_CHUNK 64
 #define DC_THREADS 256
 #define DC_MAX_DK 128
-#define DC_COLS 16
+#define DC_COLS 32
 // delta_chunk_scan's threads: DC_COLS / 4 a row of outputs (4 columns each), DC_RSTEP rows at
-// once, DC_RPT rows a thread.
+// once, DC_RPT rows a thread (DC_SRPT of the state).
 #define DC_RSTEP (DC_THREADS / (DC_COLS / 4))
 #define DC_RPT (DC_CHUNK / DC_RSTEP)
+#define DC_SRPT (DC_MAX_DK / DC_RSTEP)
 #define DC_MP (DC_CHUNK + 1)
 
 // delta_chunk_prep: one block per (value head, chunk). Dynamic shared memory, in floats:
@@ -437,13 +438,14 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
 
 // delta_chunk_scan: the chunks in order with the state, DC_COLS value columns of one head per
 // block (columns of S are independent). Per chunk: U = Ũ − W·S; o = Γ ⊙ (q̂·S) + P·U; S ← Γ_L·S
-// + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. The state slice S [dk, DC_COLS] stays in shared memory;
-// W, q̂, P and K̃ pass through one buffer [DC_CHUNK, bs] (bs = max(dk, DC_CHUNK) + 4), U through
-// another. Dynamic shared memory, in floats: dk·DC_COLS + DC_CHUNK·bs + DC_CHUNK·DC_COLS +
-// DC_CHUNK. A thread owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U and o,
-// and of S (rows tr + DC_RSTEP·m up to dk).
-// Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 4)
+// + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. The state slice S [dk, DC_COLS] stays in shared memory,
+// U too; W, q̂, P and k̂ pass through one buffer [DC_CHUNK, bs] (bs = max(dk, DC_CHUNK) + 4), each
+// copied in whole (async copies where the device has them) before it is used. Each sum runs over
+// i (or s) in order, one product at a time. Dynamic shared memory, in floats: DC_CHUNK·bs +
+// dk·DC_COLS + DC_CHUNK·DC_COLS + 2·DC_CHUNK (under 64 KB for dk = 128: AMD's LDS). A thread
+// owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U and o, and of S (rows
+// tr + DC_RSTEP·m up to dk). Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
     delta_chunk_scan(const float* qn, const float* kn, const float* w, const float* u, const float* p,
                      const float* gam, float* state, float* out, int T, int key_heads, int value_heads, int dk,
                      int dv) {
@@ -451,39 +453,40 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 4)
     const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, tid = threadIdx.x;
     const int kh = h / (value_heads / key_heads);
     const int bs = max(dk, DC_CHUNK) + 4;
-    float* S = dc_smem;
-    float* buf = S + dk * DC_COLS;
-    float* Us = buf + DC_CHUNK * bs;
-    float* g = Us + DC_CHUNK * DC_COLS;
+    float* buf = dc_smem;
+    float* S = buf + DC_CHUNK * bs;
+    float* Us = S + dk * DC_COLS;
+    float* g = Us + DC_CHUNK * DC_COLS;  // γ
+    float* k_decay = g + DC_CHUNK;       // exp(γ_L − γ_s)
     float* Sg = state + (long)h * dk * dv;
-    const int tr = tid / (DC_COLS / 4), tc = tid % (DC_COLS / 4), jc = 4 * tc;
+    const int tr = tid / (DC_COLS / 4), jc = 4 * (tid % (DC_COLS / 4));
 
     for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
         const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
         S[idx] = j < dv ? Sg[(long)i * dv + j] : 0.0f;
     }
-    // Rows [t0, t0 + L) of a [.., T, dk] scratch into buf, scaled per row; past L, zero.
-    auto stage = [&](const float* src, int t0, int L, bool decayed) {
-        const float g_last = decayed ? g[L - 1] : 0.0f;
-        if (dk % 4 == 0) {
-            const int dk4 = dk / 4;
-            for (int idx = tid; idx < DC_CHUNK * dk4; idx += DC_THREADS) {
-                const int r = idx / dk4, e = 4 * (idx % dk4);
-                float4 v = r < L ? *(const float4*)&src[(long)(t0 + r) * dk + e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                const float f = decayed && r < L ? expf(g_last - g[r]) : 1.0f;
-                *(float4*)&buf[r * bs + e] = make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+    // Rows [t0, t0 + L) of a [.., cols] scratch into buf (row stride bs), zeros past L; every
+    // thread has written what it had to once this returns, and the block sees it.
+    auto stage = [&](const float* src, int t0, int L, int cols) {
+        __syncthreads();  // buf's last readers are done
+        if (cols % 4 == 0) {
+            const int c4 = cols / 4;
+            for (int idx = tid; idx < DC_CHUNK * c4; idx += DC_THREADS) {
+                const int r = idx / c4, e = 4 * (idx % c4);
+                async_copy16(&buf[r * bs + e], &src[(long)(t0 + min(r, L - 1)) * cols + e], r < L);
             }
-            return;
+        } else {
+            for (int idx = tid; idx < DC_CHUNK * cols; idx += DC_THREADS) {
+                const int r = idx / cols, e = idx % cols;
+                async_copy4(&buf[r * bs + e], &src[(long)(t0 + min(r, L - 1)) * cols + e], r < L);
+            }
         }
-        for (int idx = tid; idx < DC_CHUNK * dk; idx += DC_THREADS) {
-            const int r = idx / dk, e = idx % dk;
-            float v = r < L ? src[(long)(t0 + r) * dk + e] : 0.0f;
-            if (decayed && r < L) v *= expf(g_last - g[r]);
-            buf[r * bs + e] = v;
-        }
+        async_commit();
+        async_wait<0>();
+        __syncthreads();
     };
-    // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x].
-    auto times_state = [&](float acc[DC_RPT][4]) {
+    // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x], i in order.
+    auto times_state = [&](float (&acc)[DC_RPT][4]) {
         for (int i = 0; i < dk; i++) {
             const float4 sv = *(const float4*)&S[i * DC_COLS + jc];
 #pragma unroll
@@ -499,27 +502,25 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 4)
 
     for (int t0 = 0, chunk = 0; t0 < T; t0 += DC_CHUNK, chunk++) {
         const int L = min(DC_CHUNK, T - t0);
-        __syncthreads();  // the previous chunk is done with buf, Us and g
+        __syncthreads();  // the previous chunk is done with U and γ
         if (tid < DC_CHUNK) g[tid] = gam[(long)h * T + t0 + min(tid, L - 1)];
         for (int idx = tid; idx < DC_CHUNK * DC_COLS; idx += DC_THREADS) {
             const int r = idx / DC_COLS, j = j0 + idx % DC_COLS;
             Us[idx] = r < L && j < dv ? u[((long)h * T + t0 + r) * dv + j] : 0.0f;
         }
-        stage(w + (long)h * T * dk, t0, L, false);
-        __syncthreads();
+        stage(w + (long)h * T * dk, t0, L, dk);
+        if (tid < L) k_decay[tid] = expf(g[L - 1] - g[tid]);
 
-        // U = Ũ − W·S.
-        float acc[DC_RPT][4] = {};
-        times_state(acc);
-        __syncthreads();
+        // U = Ũ − W·S (each thread its own entries).
+        float ws[DC_RPT][4] = {};
+        times_state(ws);
 #pragma unroll
         for (int m = 0; m < DC_RPT; m++)
 #pragma unroll
-            for (int x = 0; x < 4; x++) Us[(tr + DC_RSTEP * m) * DC_COLS + jc + x] -= acc[m][x];
-        stage(qn + (long)kh * T * dk, t0, L, false);
-        __syncthreads();
+            for (int x = 0; x < 4; x++) Us[(tr + DC_RSTEP * m) * DC_COLS + jc + x] -= ws[m][x];
 
         // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
+        stage(qn + (long)kh * T * dk, t0, L, dk);
         float o[DC_RPT][4] = {};
         times_state(o);
 #pragma unroll
@@ -528,11 +529,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 4)
 #pragma unroll
             for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
         }
-        __syncthreads();
-        const float* pc = p + ((long)h * ((T + DC_CHUNK - 1) / DC_CHUNK) + chunk) * DC_CHUNK * DC_CHUNK;
-        for (int idx = tid; idx < DC_CHUNK * DC_CHUNK / 4; idx += DC_THREADS)
-            *(float4*)&buf[(idx / (DC_CHUNK / 4)) * bs + 4 * (idx % (DC_CHUNK / 4))] = ((const float4*)pc)[idx];
-        __syncthreads();
+        stage(p + ((long)h * ((T + DC_CHUNK - 1) / DC_CHUNK) + chunk) * DC_CHUNK * DC_CHUNK, 0, DC_CHUNK, DC_CHUNK);
         for (int s = 0; s < L; s++) {
             const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
 #pragma unroll
@@ -552,27 +549,37 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 4)
             for (int x = 0; x < 4; x++)
                 if (j0 + jc + x < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + jc + x] = o[m][x];
         }
-        __syncthreads();
 
-        // S ← Γ_L · S + K̃ᵀ · U.
-        stage(kn + (long)kh * T * dk, t0, L, true);
-        __syncthreads();
+        // S ← Γ_L · S + K̃ᵀ · U: rows tr + DC_RSTEP·m of S at once (this thread's alone).
+        stage(kn + (long)kh * T * dk, t0, L, dk);
         const float gamma_l = expf(g[L - 1]);
-        for (int i = tr; i < dk; i += DC_RSTEP) {
-            float4 sv = *(float4*)&S[i * DC_COLS + jc];
-            sv.x *= gamma_l;
-            sv.y *= gamma_l;
-            sv.z *= gamma_l;
-            sv.w *= gamma_l;
-            for (int s = 0; s < L; s++) {
-                const float kv = buf[s * bs + i];
-                const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
-                sv.x += kv * us.x;
-                sv.y += kv * us.y;
-                sv.z += kv * us.z;
-                sv.w += kv * us.w;
+        float4 sv[DC_SRPT];
+#pragma unroll
+        for (int m = 0; m < DC_SRPT; m++) {
+            const int i = tr + DC_RSTEP * m;
+            sv[m] = i < dk ? *(const float4*)&S[i * DC_COLS + jc] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            sv[m].x *= gamma_l;
+            sv[m].y *= gamma_l;
+            sv[m].z *= gamma_l;
+            sv[m].w *= gamma_l;
+        }
+        for (int s = 0; s < L; s++) {
+            const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
+            const float decay = k_decay[s];
+#pragma unroll
+            for (int m = 0; m < DC_SRPT; m++) {
+                const int i = tr + DC_RSTEP * m;
+                const float kv = i < dk ? buf[s * bs + i] * decay : 0.0f;
+                sv[m].x += kv * us.x;
+                sv[m].y += kv * us.y;
+                sv[m].z += kv * us.z;
+                sv[m].w += kv * us.w;
             }
-            *(float4*)&S[i * DC_COLS + jc] = sv;
+        }
+#pragma unroll
+        for (int m = 0; m < DC_SRPT; m++) {
+            const int i = tr + DC_RSTEP * m;
+            if (i < dk) *(float4*)&S[i * DC_COLS + jc] = sv[m];
         }
     }
     __syncthreads();

@@ -933,7 +933,8 @@ fn gated_delta_rule_matches_the_cpu_and_carries_its_state() {
     let mut rng = Rng::new(22);
     // (Hk, Hv, dk, dv): Qwen3.6's heads (with Hk = 2, Hv = 4), the fixtures', the largest heads,
     // odd ones (dk not a multiple of the 8 threads per column, dv not of the 16 columns per
-    // block, fewer columns than a block), and one value head per key head.
+    // block of the recurrent kernel or the 32 of the chunked scan, fewer columns than a block),
+    // and one value head per key head.
     for (hk, hv, dk, dv) in [(2, 4, 128, 128), (2, 4, 16, 32), (1, 2, 256, 256), (2, 6, 20, 24), (3, 3, 64, 8), (1, 3, 48, 200)] {
         let shape = DeltaShape { key_heads: hk, value_heads: hv, key_dim: dk, value_dim: dv };
         // A = exp(A_log) in [0.05, 2] as the fixtures: per-token decays from about 0.97 to 0.25.

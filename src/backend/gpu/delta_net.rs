@@ -21,7 +21,7 @@ const DN_MAX_DK: usize = 256;
 const DC_CHUNK: usize = 64;
 const DC_THREADS: u32 = 256;
 const DC_MAX_DK: usize = 128;
-const DC_COLS: usize = 16;
+const DC_COLS: usize = 32;
 /// Tokens per pass of the chunked rule: its scratch (W, Ũ, q̂, k̂, P, γ: about 2·(dk + dv)·Hv
 /// floats a token) is sized for this many, whatever the prompt's length.
 const DC_SLICE: usize = 1024;
@@ -34,7 +34,7 @@ fn chunked_shared_bytes(dk: usize) -> (usize, usize) {
     let f32s = std::mem::size_of::<f32>();
     let prep = DC_CHUNK * (dk + 1) + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
     let buf_stride = dk.max(DC_CHUNK) + 4;
-    let scan = dk * DC_COLS + DC_CHUNK * buf_stride + DC_CHUNK * DC_COLS + DC_CHUNK;
+    let scan = DC_CHUNK * buf_stride + dk * DC_COLS + DC_CHUNK * DC_COLS + 2 * DC_CHUNK;
     (prep * f32s, scan * f32s)
 }
 
