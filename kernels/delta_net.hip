@@ -260,10 +260,13 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_RPT (DC_CHUNK / DC_RSTEP)
 #define DC_SRPT (DC_MAX_DK / DC_RSTEP)
 #define DC_MP (DC_CHUNK + 1)
+// Values of a q or k row each lane of delta_chunk_prep holds.
+#define DC_LANE_VALUES ((DC_MAX_DK + WARP_SIZE - 1) / WARP_SIZE)
 
 // delta_chunk_prep: one block per (value head, chunk). Dynamic shared memory, in floats:
-// DC_CHUNK·(dk + 1) (k̂) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a time, then A, then T in place)
-// + 4·DC_CHUNK (β, γ, βΓ, q's scale). Only the first value head of each key head writes qn and kn.
+// DC_CHUNK·ks (ks = max(dk + 1, DC_MP): k̂, then 64 columns of V · β at a time) + DC_CHUNK·DC_MP
+// (q̂ staged 64 columns at a time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale).
+// Only the first value head of each key head writes qn and kn.
 // Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
@@ -274,7 +277,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
     const int ratio = value_heads / key_heads, kh = h / ratio;
     const bool owner = h % ratio == 0;
-    const int ks = dk + 1;
+    const int ks = max(dk + 1, DC_MP);
     float* kS = dc_smem;
     float* M = kS + DC_CHUNK * ks;
     float* beta = M + DC_CHUNK * DC_MP;
@@ -295,19 +298,30 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
             if (lane == 0) beta[r] = gm[r] = invq[r] = 0.0f;
             continue;
         }
+        // The row's q and k values, read once (lane's e = lane, lane + WARP_SIZE, ...).
         const float* row = qkv + t * width;
+        float qv[DC_LANE_VALUES], kv[DC_LANE_VALUES];
         float sq = 0.0f, sk = 0.0f;
-        for (int e = lane; e < dk; e += WARP_SIZE) {
-            sq += row[q_at + e] * row[q_at + e];
-            sk += row[k_at + e] * row[k_at + e];
+#pragma unroll
+        for (int m = 0; m < DC_LANE_VALUES; m++) {
+            const int e = lane + m * WARP_SIZE;
+            qv[m] = e < dk ? row[q_at + e] : 0.0f;
+            kv[m] = e < dk ? row[k_at + e] : 0.0f;
+        }
+#pragma unroll
+        for (int m = 0; m < DC_LANE_VALUES; m++) {
+            sq += qv[m] * qv[m];
+            sk += kv[m] * kv[m];
         }
         const float iq = q_scale / sqrtf(warp_sum(sq) + 1e-6f), ik = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
-        for (int e = lane; e < dk; e += WARP_SIZE) {
-            const float kv = row[k_at + e] * ik;
-            kS[r * ks + e] = kv;
+#pragma unroll
+        for (int m = 0; m < DC_LANE_VALUES; m++) {
+            const int e = lane + m * WARP_SIZE;
+            if (e >= dk) continue;
+            kS[r * ks + e] = kv[m] * ik;
             if (owner) {
-                kn[((long)kh * T + t) * dk + e] = kv;
-                qn[((long)kh * T + t) * dk + e] = row[q_at + e] * iq;
+                kn[((long)kh * T + t) * dk + e] = kv[m] * ik;
+                qn[((long)kh * T + t) * dk + e] = qv[m] * iq;
             }
         }
         if (lane == 0) {
@@ -395,36 +409,34 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
         }
     }
 
-    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, 128 columns at a time: a thread takes rows
-    // rg + 8m and columns cl + 32n.
+    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, 64 columns at a time: a thread takes rows
+    // rg + 8m and columns cl + 32n (n < 2). Each 64 columns of V · β are staged where k̂ was, once
+    // W is done (V's rows lie far apart in qkv: loaded in the loop, every row waited out a memory
+    // latency).
     const int rg = tid / 32, cl = tid % 32;
     auto triangular_product = [&](bool is_w, int base) {
         const int n_cols = is_w ? dk : dv;
-        float acc[8][4];
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-#pragma unroll
-            for (int n = 0; n < 4; n++) acc[m][n] = 0.0f;
+        float acc[8][2] = {};
         for (int r = 0; r < L; r++) {
-            float x[4];
+            float x[2];
 #pragma unroll
-            for (int n = 0; n < 4; n++) {
-                const int e = base + cl + 32 * n;
-                x[n] = e >= n_cols ? 0.0f : is_w ? kS[r * ks + e] * bgam[r] : qkv[(t0 + r) * width + v_at + e] * beta[r];
+            for (int n = 0; n < 2; n++) {
+                const int c = cl + 32 * n;
+                x[n] = base + c >= n_cols ? 0.0f : is_w ? kS[r * ks + base + c] * bgam[r] : kS[r * ks + c];
             }
 #pragma unroll
             for (int m = 0; m < 8; m++) {
                 const int t = rg + 8 * m;
                 const float tv = t == r ? 1.0f : r < t ? M[t * DC_MP + r] : 0.0f;
 #pragma unroll
-                for (int n = 0; n < 4; n++) acc[m][n] += tv * x[n];
+                for (int n = 0; n < 2; n++) acc[m][n] += tv * x[n];
             }
         }
 #pragma unroll
         for (int m = 0; m < 8; m++) {
             const int t = rg + 8 * m;
 #pragma unroll
-            for (int n = 0; n < 4; n++) {
+            for (int n = 0; n < 2; n++) {
                 const int e = base + cl + 32 * n;
                 if (t >= L || e >= n_cols) continue;
                 if (is_w) w[((long)h * T + t0 + t) * dk + e] = acc[m][n];
@@ -432,8 +444,16 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
             }
         }
     };
-    for (int base = 0; base < dk; base += 128) triangular_product(true, base);
-    for (int base = 0; base < dv; base += 128) triangular_product(false, base);
+    for (int base = 0; base < dk; base += DC_CHUNK) triangular_product(true, base);
+    for (int base = 0; base < dv; base += DC_CHUNK) {
+        __syncthreads();  // the W product, or the previous piece, is done with kS
+        for (int idx = tid; idx < DC_CHUNK * DC_CHUNK; idx += DC_THREADS) {
+            const int r = idx / DC_CHUNK, c = idx % DC_CHUNK;
+            kS[r * ks + c] = r < L && base + c < dv ? qkv[(t0 + r) * width + v_at + base + c] * beta[r] : 0.0f;
+        }
+        __syncthreads();
+        triangular_product(false, base);
+    }
 }
 
 // delta_chunk_scan: the chunks in order with the state, DC_COLS value columns of one head per

@@ -32,7 +32,7 @@ const MAX_GRID_YZ: usize = 65_535;
 /// sums in their header comments).
 fn chunked_shared_bytes(dk: usize) -> (usize, usize) {
     let f32s = std::mem::size_of::<f32>();
-    let prep = DC_CHUNK * (dk + 1) + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
+    let prep = DC_CHUNK * (dk + 1).max(DC_CHUNK + 1) + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
     let buf_stride = dk.max(DC_CHUNK) + 4;
     let scan = DC_CHUNK * buf_stride + dk * DC_COLS + DC_CHUNK * DC_COLS + 2 * DC_CHUNK;
     (prep * f32s, scan * f32s)
