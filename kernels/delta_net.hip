@@ -246,16 +246,17 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 //   o_t = Γ_t · S₀ᵀ q̂_t + Σ_{s≤t} exp(γ_t − γ_s) (q̂_t·k̂_s) u_s,
 //   S_L = Γ_L · S₀ + Σ_s exp(γ_L − γ_s) k̂_s u_sᵀ.
 // Every exp above is of a non-positive number. delta_chunk_prep computes what does not depend on
-// the state (every chunk at once); delta_chunk_scan then walks the chunks in order per head with
-// the state. Both take a slice of the sequence (T tokens); their scratch is laid out per slice:
-// qn, kn [Hk, T, dk]; w [Hv, T, dk]; u [Hv, T, dv]; p [Hv, ceil(T / DC_CHUNK), DC_CHUNK, DC_CHUNK]
-// (P[t][s] = exp(γ_t − γ_s) q̂_t·k̂_s for s ≤ t); gam [Hv, T] (γ). Needs dk <= DC_MAX_DK.
+// the state (every chunk at once); delta_chunk_state then walks the chunks in order per head with
+// the state, and delta_chunk_out gives every chunk's outputs at once. All take a slice of the
+// sequence (T tokens); their scratch is laid out per slice: qn, kn [Hk, T, dk]; w [Hv, T, dk];
+// u [Hv, T, dv]; p [Hv, ceil(T / DC_CHUNK), DC_CHUNK, DC_CHUNK] (P[t][s] = exp(γ_t − γ_s) q̂_t·k̂_s
+// for s ≤ t); gam [Hv, T] (γ); hs [Hv, ceil(T / DC_CHUNK), dk, dv]. Needs dk <= DC_MAX_DK.
 #define DC_CHUNK 64
 #define DC_THREADS 256
 #define DC_MAX_DK 128
 #define DC_COLS 32
-// delta_chunk_scan's threads: DC_COLS / 4 a row of outputs (4 columns each), DC_RSTEP rows at
-// once, DC_RPT rows a thread (DC_SRPT of the state).
+// delta_chunk_state's and delta_chunk_out's threads: DC_COLS / 4 a row of outputs (4 columns
+// each), DC_RSTEP rows at once, DC_RPT rows a thread (DC_SRPT of the state).
 #define DC_RSTEP (DC_THREADS / (DC_COLS / 4))
 #define DC_RPT (DC_CHUNK / DC_RSTEP)
 #define DC_SRPT (DC_MAX_DK / DC_RSTEP)
@@ -456,38 +457,39 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     }
 }
 
-// delta_chunk_scan: the chunks in order with the state, DC_COLS value columns of one head per
-// block (columns of S are independent). Per chunk: U = Ũ − W·S; o = Γ ⊙ (q̂·S) + P·U; S ← Γ_L·S
-// + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. The state slice S [dk, DC_COLS] stays in shared memory,
-// U too; W, q̂, P and k̂ pass through one buffer [DC_CHUNK, bs] (bs = max(dk, DC_CHUNK) + 4), each
-// copied in whole (async copies where the device has them) before it is used. Each sum runs over
-// i (or s) in order, one product at a time. Dynamic shared memory, in floats: DC_CHUNK·bs +
-// dk·DC_COLS + DC_CHUNK·DC_COLS + 2·DC_CHUNK (under 64 KB for dk = 128: AMD's LDS). A thread
-// owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U and o, and of S (rows
-// tr + DC_RSTEP·m up to dk). Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
-    delta_chunk_scan(const float* qn, const float* kn, const float* w, const float* u, const float* p,
-                     const float* gam, float* state, float* out, int T, int key_heads, int value_heads, int dk,
-                     int dv) {
-    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
-    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, tid = threadIdx.x;
-    const int kh = h / (value_heads / key_heads);
-    const int bs = max(dk, DC_CHUNK) + 4;
-    float* buf = dc_smem;
-    float* S = buf + DC_CHUNK * bs;
-    float* Us = S + dk * DC_COLS;
-    float* g = Us + DC_CHUNK * DC_COLS;  // γ
-    float* k_decay = g + DC_CHUNK;       // exp(γ_L − γ_s)
-    float* Sg = state + (long)h * dk * dv;
-    const int tr = tid / (DC_COLS / 4), jc = 4 * (tid % (DC_COLS / 4));
-
-    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-        S[idx] = j < dv ? Sg[(long)i * dv + j] : 0.0f;
+// The state's walk over the chunks, split in two: delta_chunk_state walks them in order per head,
+// DC_COLS value columns of one head per block (columns of S are independent): per chunk it leaves
+// S (as the chunk finds it) in hs, turns Ũ into U = Ũ − W·S in place, and moves S on:
+// S ← Γ_L·S + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. delta_chunk_out then takes every chunk at
+// once: o = Γ ⊙ (q̂·S) + P·U. The products that need only a chunk's own S leave the sequential
+// walk, which keeps W·S and K̃ᵀ·U. Both kernels' blocks hold a slice S [dk, DC_COLS] and U
+// [DC_CHUNK, DC_COLS] in shared memory and pass W, q̂, P and k̂ through one buffer [DC_CHUNK, bs]
+// (bs = max(dk, DC_CHUNK) + 4), each copied in whole (async copies where the device has them)
+// before it is used. Each sum runs over i (or s) in order, one product at a time. Dynamic shared
+// memory, in floats: DC_CHUNK·bs + dk·DC_COLS + DC_CHUNK·DC_COLS + 2·DC_CHUNK (under 64 KB for
+// dk = 128: AMD's LDS). A thread owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U
+// and o, and of S (rows tr + DC_RSTEP·m up to dk). The same sums as one kernel doing both.
+struct DcBlock {
+    float* buf;
+    float* S;
+    float* Us;
+    float* g;        // γ
+    float* k_decay;  // exp(γ_L − γ_s)
+    int bs, dk, tid, tr, jc;
+    __device__ __forceinline__ DcBlock(float* smem, int dk_) : dk(dk_) {
+        bs = max(dk, DC_CHUNK) + 4;
+        buf = smem;
+        S = buf + DC_CHUNK * bs;
+        Us = S + dk * DC_COLS;
+        g = Us + DC_CHUNK * DC_COLS;
+        k_decay = g + DC_CHUNK;
+        tid = threadIdx.x;
+        tr = tid / (DC_COLS / 4);
+        jc = 4 * (tid % (DC_COLS / 4));
     }
     // Rows [t0, t0 + L) of a [.., cols] scratch into buf (row stride bs), zeros past L; every
     // thread has written what it had to once this returns, and the block sees it.
-    auto stage = [&](const float* src, int t0, int L, int cols) {
+    __device__ __forceinline__ void stage(const float* src, int t0, int L, int cols) {
         __syncthreads();  // buf's last readers are done
         if (cols % 4 == 0) {
             const int c4 = cols / 4;
@@ -504,9 +506,9 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
         async_commit();
         async_wait<0>();
         __syncthreads();
-    };
+    }
     // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x], i in order.
-    auto times_state = [&](float (&acc)[DC_RPT][4]) {
+    __device__ __forceinline__ void times_state(float (&acc)[DC_RPT][4]) const {
         for (int i = 0; i < dk; i++) {
             const float4 sv = *(const float4*)&S[i * DC_COLS + jc];
 #pragma unroll
@@ -518,61 +520,64 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
                 acc[m][3] += bv * sv.w;
             }
         }
-    };
-
-    for (int t0 = 0, chunk = 0; t0 < T; t0 += DC_CHUNK, chunk++) {
-        const int L = min(DC_CHUNK, T - t0);
-        __syncthreads();  // the previous chunk is done with U and γ
-        if (tid < DC_CHUNK) g[tid] = gam[(long)h * T + t0 + min(tid, L - 1)];
+    }
+    // Columns j0.. of rows [t0, t0 + L) of u [.., dv] into Us (zeros past L and dv), and the
+    // chunk's γ (rows past L keep the last); the block sees them after its next barrier.
+    __device__ __forceinline__ void load_u(const float* u, const float* gam, int t0, int L, int j0, int dv) {
+        if (tid < DC_CHUNK) g[tid] = gam[t0 + min(tid, L - 1)];
         for (int idx = tid; idx < DC_CHUNK * DC_COLS; idx += DC_THREADS) {
             const int r = idx / DC_COLS, j = j0 + idx % DC_COLS;
-            Us[idx] = r < L && j < dv ? u[((long)h * T + t0 + r) * dv + j] : 0.0f;
+            Us[idx] = r < L && j < dv ? u[(long)(t0 + r) * dv + j] : 0.0f;
         }
-        stage(w + (long)h * T * dk, t0, L, dk);
-        if (tid < L) k_decay[tid] = expf(g[L - 1] - g[tid]);
+    }
+};
 
-        // U = Ũ − W·S (each thread its own entries).
+// Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+    delta_chunk_state(const float* kn, const float* w, float* u, const float* gam, float* state, float* hs, int T,
+                      int key_heads, int value_heads, int dk, int dv) {
+    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
+    DcBlock blk(dc_smem, dk);
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, tid = threadIdx.x, tr = blk.tr, jc = blk.jc;
+    const int kh = h / (value_heads / key_heads), chunks = (T + DC_CHUNK - 1) / DC_CHUNK;
+    float* S = blk.S;
+    float* Us = blk.Us;
+    float* Sg = state + (long)h * dk * dv;
+    float* uh = u + (long)h * T * dv;
+
+    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
+        S[idx] = j < dv ? Sg[(long)i * dv + j] : 0.0f;
+    }
+    for (int t0 = 0, chunk = 0; t0 < T; t0 += DC_CHUNK, chunk++) {
+        const int L = min(DC_CHUNK, T - t0);
+        __syncthreads();  // the previous chunk is done with U and γ, and S is whole
+        blk.load_u(uh, gam + (long)h * T, t0, L, j0, dv);
+        float* Sc = hs + ((long)h * chunks + chunk) * dk * dv;
+        for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+            const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
+            if (j < dv) Sc[(long)i * dv + j] = S[idx];
+        }
+        blk.stage(w + (long)h * T * dk, t0, L, dk);
+        if (tid < L) blk.k_decay[tid] = expf(blk.g[L - 1] - blk.g[tid]);
+
+        // U = Ũ − W·S (each thread its own entries), kept for delta_chunk_out.
         float ws[DC_RPT][4] = {};
-        times_state(ws);
-#pragma unroll
-        for (int m = 0; m < DC_RPT; m++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) Us[(tr + DC_RSTEP * m) * DC_COLS + jc + x] -= ws[m][x];
-
-        // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
-        stage(qn + (long)kh * T * dk, t0, L, dk);
-        float o[DC_RPT][4] = {};
-        times_state(o);
-#pragma unroll
-        for (int m = 0; m < DC_RPT; m++) {
-            const float gamma_t = expf(g[tr + DC_RSTEP * m]);
-#pragma unroll
-            for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
-        }
-        stage(p + ((long)h * ((T + DC_CHUNK - 1) / DC_CHUNK) + chunk) * DC_CHUNK * DC_CHUNK, 0, DC_CHUNK, DC_CHUNK);
-        for (int s = 0; s < L; s++) {
-            const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
-#pragma unroll
-            for (int m = 0; m < DC_RPT; m++) {
-                const float pv = buf[(tr + DC_RSTEP * m) * bs + s];
-                o[m][0] += pv * us.x;
-                o[m][1] += pv * us.y;
-                o[m][2] += pv * us.z;
-                o[m][3] += pv * us.w;
-            }
-        }
+        blk.times_state(ws);
 #pragma unroll
         for (int m = 0; m < DC_RPT; m++) {
             const int t = tr + DC_RSTEP * m;
-            if (t >= L) continue;
 #pragma unroll
-            for (int x = 0; x < 4; x++)
-                if (j0 + jc + x < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + jc + x] = o[m][x];
+            for (int x = 0; x < 4; x++) {
+                const float v = Us[t * DC_COLS + jc + x] - ws[m][x];
+                Us[t * DC_COLS + jc + x] = v;
+                if (t < L && j0 + jc + x < dv) uh[(long)(t0 + t) * dv + j0 + jc + x] = v;
+            }
         }
 
         // S ← Γ_L · S + K̃ᵀ · U: rows tr + DC_RSTEP·m of S at once (this thread's alone).
-        stage(kn + (long)kh * T * dk, t0, L, dk);
-        const float gamma_l = expf(g[L - 1]);
+        blk.stage(kn + (long)kh * T * dk, t0, L, dk);
+        const float gamma_l = expf(blk.g[L - 1]);
         float4 sv[DC_SRPT];
 #pragma unroll
         for (int m = 0; m < DC_SRPT; m++) {
@@ -585,11 +590,11 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
         }
         for (int s = 0; s < L; s++) {
             const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
-            const float decay = k_decay[s];
+            const float decay = blk.k_decay[s];
 #pragma unroll
             for (int m = 0; m < DC_SRPT; m++) {
                 const int i = tr + DC_RSTEP * m;
-                const float kv = i < dk ? buf[s * bs + i] * decay : 0.0f;
+                const float kv = i < dk ? blk.buf[s * blk.bs + i] * decay : 0.0f;
                 sv[m].x += kv * us.x;
                 sv[m].y += kv * us.y;
                 sv[m].z += kv * us.z;
@@ -606,5 +611,54 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
     for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
         const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
         if (j < dv) Sg[(long)i * dv + j] = S[idx];
+    }
+}
+
+// Launch: grid (Hv, ceil(dv / DC_COLS), ceil(T / DC_CHUNK)), block DC_THREADS. Three blocks an SM
+// where the shared memory holds them (69 registers on sm_90).
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
+    delta_chunk_out(const float* qn, const float* u, const float* p, const float* gam, const float* hs, float* out,
+                    int T, int key_heads, int value_heads, int dk, int dv) {
+    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
+    DcBlock blk(dc_smem, dk);
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, chunk = blockIdx.z, tid = threadIdx.x, tr = blk.tr, jc = blk.jc;
+    const int kh = h / (value_heads / key_heads), chunks = (T + DC_CHUNK - 1) / DC_CHUNK;
+    const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
+    const float* Sc = hs + ((long)h * chunks + chunk) * dk * dv;
+    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
+        blk.S[idx] = j < dv ? Sc[(long)i * dv + j] : 0.0f;
+    }
+    blk.load_u(u + (long)h * T * dv, gam + (long)h * T, t0, L, j0, dv);
+
+    // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
+    blk.stage(qn + (long)kh * T * dk, t0, L, dk);
+    float o[DC_RPT][4] = {};
+    blk.times_state(o);
+#pragma unroll
+    for (int m = 0; m < DC_RPT; m++) {
+        const float gamma_t = expf(blk.g[tr + DC_RSTEP * m]);
+#pragma unroll
+        for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
+    }
+    blk.stage(p + ((long)h * chunks + chunk) * DC_CHUNK * DC_CHUNK, 0, DC_CHUNK, DC_CHUNK);
+    for (int s = 0; s < L; s++) {
+        const float4 us = *(const float4*)&blk.Us[s * DC_COLS + jc];
+#pragma unroll
+        for (int m = 0; m < DC_RPT; m++) {
+            const float pv = blk.buf[(tr + DC_RSTEP * m) * blk.bs + s];
+            o[m][0] += pv * us.x;
+            o[m][1] += pv * us.y;
+            o[m][2] += pv * us.z;
+            o[m][3] += pv * us.w;
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < DC_RPT; m++) {
+        const int t = tr + DC_RSTEP * m;
+        if (t >= L) continue;
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+            if (j0 + jc + x < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + jc + x] = o[m][x];
     }
 }
