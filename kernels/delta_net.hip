@@ -2,6 +2,7 @@
 // the gated delta rule, recurrent (decode, as the CPU reference computes it: src/backend/cpu/mod.rs;
 // the maths in tests/fixtures/HYBRID_NOTES.md §3.3) and chunked (prefill). The gated RMSNorm is in
 // norm.hip, the sigmoid gate in elementwise.hip.
+#include "common/mma.h"
 #include "common/portable.h"
 
 // conv1d_silu: causal depthwise convolution over time, then SiLU, continuing from a state.
@@ -255,11 +256,6 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_THREADS 256
 #define DC_MAX_DK 128
 #define DC_COLS 32
-// delta_chunk_state's and delta_chunk_out's threads: DC_COLS / 4 a row of outputs (4 columns
-// each), DC_RSTEP rows at once, DC_RPT rows a thread (DC_SRPT of the state).
-#define DC_RSTEP (DC_THREADS / (DC_COLS / 4))
-#define DC_RPT (DC_CHUNK / DC_RSTEP)
-#define DC_SRPT (DC_MAX_DK / DC_RSTEP)
 #define DC_MP (DC_CHUNK + 1)
 // Values of a q or k row each lane of delta_chunk_prep holds.
 #define DC_LANE_VALUES ((DC_MAX_DK + WARP_SIZE - 1) / WARP_SIZE)
@@ -460,32 +456,37 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
 // The state's walk over the chunks, split in two: delta_chunk_state walks them in order per head,
 // DC_COLS value columns of one head per block (columns of S are independent): per chunk it leaves
 // S (as the chunk finds it) in hs, turns Ũ into U = Ũ − W·S in place, and moves S on:
-// S ← Γ_L·S + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. delta_chunk_out then takes every chunk at
-// once: o = Γ ⊙ (q̂·S) + P·U. The products that need only a chunk's own S leave the sequential
-// walk, which keeps W·S and K̃ᵀ·U. Both kernels' blocks hold a slice S [dk, DC_COLS] and U
-// [DC_CHUNK, DC_COLS] in shared memory and pass W, q̂, P and k̂ through one buffer [DC_CHUNK, bs]
-// (bs = max(dk, DC_CHUNK) + 4), each copied in whole (async copies where the device has them)
-// before it is used. Each sum runs over i (or s) in order, one product at a time. Dynamic shared
-// memory, in floats: DC_CHUNK·bs + dk·DC_COLS + DC_CHUNK·DC_COLS + 2·DC_CHUNK (under 64 KB for
-// dk = 128: AMD's LDS). A thread owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U
-// and o, and of S (rows tr + DC_RSTEP·m up to dk). The same sums as one kernel doing both.
+// S ← Γ_L·S + K̂ᵀ·(diag(exp(γ_L − γ_s))·U). delta_chunk_out then takes every chunk at once:
+// o = Γ ⊙ (q̂·S) + P·U. The products that need only a chunk's own S leave the sequential walk.
+// The products run on the matrix cores as tiles of 16×16 (common/mma.h's split products: f32
+// operands as bf16 hi + lo, near f32's accuracy), a tile a warp at a time. A block holds a slice
+// S [dk16, DC_SS] and U [DC_CHUNK, DC_SS] in shared memory (dk16: dk rounded up to 16, the rows
+// past dk zero) and passes W, q̂, P and k̂ through one buffer [DC_CHUNK, bs] (bs = max(dk16,
+// DC_CHUNK) + 4; the columns past dk zero), each copied in whole (async copies where the device
+// has them) before it is used. Dynamic shared memory, in floats: DC_CHUNK·bs + dk16·DC_SS +
+// DC_CHUNK·DC_SS + DC_CHUNK (under 64 KB for dk = 128: AMD's LDS). The strides keep the fragment
+// loads of NVIDIA's layout free of bank conflicts (bs ≡ 4 and DC_SS ≡ 4 mod 32 words).
+#define DC_SS (DC_COLS + 4)
+#define DC_WARPS (DC_THREADS / WARP_SIZE)
+// Output tiles of a chunk's [DC_CHUNK, DC_COLS] (W·S, o), and how many a warp takes.
+#define DC_OUT_TILES (DC_CHUNK / 16 * DC_COLS / 16)
+#define DC_WARP_TILES ((DC_OUT_TILES + DC_WARPS - 1) / DC_WARPS)
 struct DcBlock {
     float* buf;
     float* S;
     float* Us;
-    float* g;        // γ
-    float* k_decay;  // exp(γ_L − γ_s)
-    int bs, dk, tid, tr, jc;
+    float* g;  // γ
+    int bs, dk, dk16, tid, warp;
     __device__ __forceinline__ DcBlock(float* smem, int dk_) : dk(dk_) {
-        bs = max(dk, DC_CHUNK) + 4;
+        dk16 = (dk + 15) / 16 * 16;
+        bs = max(dk16, DC_CHUNK) + 4;
         buf = smem;
         S = buf + DC_CHUNK * bs;
-        Us = S + dk * DC_COLS;
-        g = Us + DC_CHUNK * DC_COLS;
-        k_decay = g + DC_CHUNK;
+        Us = S + dk16 * DC_SS;
+        g = Us + DC_CHUNK * DC_SS;
         tid = threadIdx.x;
-        tr = tid / (DC_COLS / 4);
-        jc = 4 * (tid % (DC_COLS / 4));
+        warp = tid / WARP_SIZE;
+        for (int idx = tid; idx < DC_CHUNK * bs; idx += DC_THREADS) buf[idx] = 0.0f;  // the padding stays zero
     }
     // Rows [t0, t0 + L) of a [.., cols] scratch into buf (row stride bs), zeros past L; every
     // thread has written what it had to once this returns, and the block sees it.
@@ -507,18 +508,17 @@ struct DcBlock {
         async_wait<0>();
         __syncthreads();
     }
-    // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x], i in order.
-    __device__ __forceinline__ void times_state(float (&acc)[DC_RPT][4]) const {
-        for (int i = 0; i < dk; i++) {
-            const float4 sv = *(const float4*)&S[i * DC_COLS + jc];
-#pragma unroll
-            for (int m = 0; m < DC_RPT; m++) {
-                const float bv = buf[(tr + DC_RSTEP * m) * bs + i];
-                acc[m][0] += bv * sv.x;
-                acc[m][1] += bv * sv.y;
-                acc[m][2] += bv * sv.z;
-                acc[m][3] += bv * sv.w;
-            }
+    // S (rows past dk zero) from a [dk, dv] state, columns j0 ..
+    __device__ __forceinline__ void load_state(const float* from, int j0, int dv) {
+        for (int idx = tid; idx < dk16 * DC_COLS; idx += DC_THREADS) {
+            const int i = idx / DC_COLS, c = idx % DC_COLS, j = j0 + c;
+            S[i * DC_SS + c] = i < dk && j < dv ? from[(long)i * dv + j] : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void save_state(float* to, int j0, int dv) const {
+        for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+            const int i = idx / DC_COLS, c = idx % DC_COLS, j = j0 + c;
+            if (j < dv) to[(long)i * dv + j] = S[i * DC_SS + c];
         }
     }
     // Columns j0.. of rows [t0, t0 + L) of u [.., dv] into Us (zeros past L and dv), and the
@@ -526,8 +526,17 @@ struct DcBlock {
     __device__ __forceinline__ void load_u(const float* u, const float* gam, int t0, int L, int j0, int dv) {
         if (tid < DC_CHUNK) g[tid] = gam[t0 + min(tid, L - 1)];
         for (int idx = tid; idx < DC_CHUNK * DC_COLS; idx += DC_THREADS) {
-            const int r = idx / DC_COLS, j = j0 + idx % DC_COLS;
-            Us[idx] = r < L && j < dv ? u[(long)(t0 + r) * dv + j] : 0.0f;
+            const int r = idx / DC_COLS, c = idx % DC_COLS, j = j0 + c;
+            Us[r * DC_SS + c] = r < L && j < dv ? u[(long)(t0 + r) * dv + j] : 0.0f;
+        }
+    }
+    // acc += buf[16 mt.., 0..K) · B[0..K, 16 nt..) for B one of S, Us (row stride DC_SS).
+    __device__ __forceinline__ void product(float* acc, int mt, int nt, const float* B, int K) const {
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            mma_split_t a, b;
+            mma_split_a(a, buf + mt * 16 * bs + k0, bs);
+            mma_split_bt(b, B + k0 * DC_SS + nt * 16, DC_SS);
+            mma16_split(acc, a, b);
         }
     }
 };
@@ -538,127 +547,89 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
                       int key_heads, int value_heads, int dk, int dv) {
     extern __shared__ __attribute__((aligned(16))) float dc_smem[];
     DcBlock blk(dc_smem, dk);
-    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, tid = threadIdx.x, tr = blk.tr, jc = blk.jc;
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS;
     const int kh = h / (value_heads / key_heads), chunks = (T + DC_CHUNK - 1) / DC_CHUNK;
-    float* S = blk.S;
-    float* Us = blk.Us;
     float* Sg = state + (long)h * dk * dv;
     float* uh = u + (long)h * T * dv;
-
-    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-        S[idx] = j < dv ? Sg[(long)i * dv + j] : 0.0f;
-    }
+    blk.load_state(Sg, j0, dv);
     for (int t0 = 0, chunk = 0; t0 < T; t0 += DC_CHUNK, chunk++) {
         const int L = min(DC_CHUNK, T - t0);
         __syncthreads();  // the previous chunk is done with U and γ, and S is whole
         blk.load_u(uh, gam + (long)h * T, t0, L, j0, dv);
-        float* Sc = hs + ((long)h * chunks + chunk) * dk * dv;
-        for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-            const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-            if (j < dv) Sc[(long)i * dv + j] = S[idx];
-        }
+        blk.save_state(hs + ((long)h * chunks + chunk) * dk * dv, j0, dv);
         blk.stage(w + (long)h * T * dk, t0, L, dk);
-        if (tid < L) blk.k_decay[tid] = expf(blk.g[L - 1] - blk.g[tid]);
 
-        // U = Ũ − W·S (each thread its own entries), kept for delta_chunk_out.
-        float ws[DC_RPT][4] = {};
-        blk.times_state(ws);
+        // U = Ũ − W·S, kept for delta_chunk_out; Us then holds exp(γ_L − γ_s) U[s] for the update.
+        for (int tile = blk.warp; tile < DC_OUT_TILES; tile += DC_WARPS) {
+            const int mt = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+            float acc[MMA_ACC] = {};
+            blk.product(acc, mt, nt, blk.S, blk.dk16);
 #pragma unroll
-        for (int m = 0; m < DC_RPT; m++) {
-            const int t = tr + DC_RSTEP * m;
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const float v = Us[t * DC_COLS + jc + x] - ws[m][x];
-                Us[t * DC_COLS + jc + x] = v;
-                if (t < L && j0 + jc + x < dv) uh[(long)(t0 + t) * dv + j0 + jc + x] = v;
+            for (int i = 0; i < MMA_ACC; i++) {
+                const int r = mt * 16 + mma_row(i), c = nt * 16 + mma_col(i);
+                const float v = blk.Us[r * DC_SS + c] - acc[i];
+                if (r < L && j0 + c < dv) uh[(long)(t0 + r) * dv + j0 + c] = v;
+                blk.Us[r * DC_SS + c] = v * expf(blk.g[L - 1] - blk.g[r]);
             }
         }
 
-        // S ← Γ_L · S + K̃ᵀ · U: rows tr + DC_RSTEP·m of S at once (this thread's alone).
+        // S ← Γ_L · S + K̂ᵀ · Us: each thread its own entries of S.
         blk.stage(kn + (long)kh * T * dk, t0, L, dk);
         const float gamma_l = expf(blk.g[L - 1]);
-        float4 sv[DC_SRPT];
+        for (int tile = blk.warp; tile < blk.dk16 / 16 * (DC_COLS / 16); tile += DC_WARPS) {
+            const int it = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+            float acc[MMA_ACC];
 #pragma unroll
-        for (int m = 0; m < DC_SRPT; m++) {
-            const int i = tr + DC_RSTEP * m;
-            sv[m] = i < dk ? *(const float4*)&S[i * DC_COLS + jc] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            sv[m].x *= gamma_l;
-            sv[m].y *= gamma_l;
-            sv[m].z *= gamma_l;
-            sv[m].w *= gamma_l;
-        }
-        for (int s = 0; s < L; s++) {
-            const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
-            const float decay = blk.k_decay[s];
-#pragma unroll
-            for (int m = 0; m < DC_SRPT; m++) {
-                const int i = tr + DC_RSTEP * m;
-                const float kv = i < dk ? blk.buf[s * blk.bs + i] * decay : 0.0f;
-                sv[m].x += kv * us.x;
-                sv[m].y += kv * us.y;
-                sv[m].z += kv * us.z;
-                sv[m].w += kv * us.w;
+            for (int i = 0; i < MMA_ACC; i++) acc[i] = gamma_l * blk.S[(it * 16 + mma_row(i)) * DC_SS + nt * 16 + mma_col(i)];
+            for (int s0 = 0; s0 < DC_CHUNK; s0 += 16) {
+                mma_split_t a, b;
+                mma_split_at(a, blk.buf + s0 * blk.bs + it * 16, blk.bs);
+                mma_split_bt(b, blk.Us + s0 * DC_SS + nt * 16, DC_SS);
+                mma16_split(acc, a, b);
             }
-        }
 #pragma unroll
-        for (int m = 0; m < DC_SRPT; m++) {
-            const int i = tr + DC_RSTEP * m;
-            if (i < dk) *(float4*)&S[i * DC_COLS + jc] = sv[m];
+            for (int i = 0; i < MMA_ACC; i++) blk.S[(it * 16 + mma_row(i)) * DC_SS + nt * 16 + mma_col(i)] = acc[i];
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-        if (j < dv) Sg[(long)i * dv + j] = S[idx];
-    }
+    blk.save_state(Sg, j0, dv);
 }
 
-// Launch: grid (Hv, ceil(dv / DC_COLS), ceil(T / DC_CHUNK)), block DC_THREADS. Three blocks an SM
-// where the shared memory holds them (69 registers on sm_90).
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
+// Launch: grid (Hv, ceil(dv / DC_COLS), ceil(T / DC_CHUNK)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
     delta_chunk_out(const float* qn, const float* u, const float* p, const float* gam, const float* hs, float* out,
                     int T, int key_heads, int value_heads, int dk, int dv) {
     extern __shared__ __attribute__((aligned(16))) float dc_smem[];
     DcBlock blk(dc_smem, dk);
-    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, chunk = blockIdx.z, tid = threadIdx.x, tr = blk.tr, jc = blk.jc;
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, chunk = blockIdx.z;
     const int kh = h / (value_heads / key_heads), chunks = (T + DC_CHUNK - 1) / DC_CHUNK;
     const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
-    const float* Sc = hs + ((long)h * chunks + chunk) * dk * dv;
-    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-        blk.S[idx] = j < dv ? Sc[(long)i * dv + j] : 0.0f;
-    }
+    blk.load_state(hs + ((long)h * chunks + chunk) * dk * dv, j0, dv);
     blk.load_u(u + (long)h * T * dv, gam + (long)h * T, t0, L, j0, dv);
 
     // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
     blk.stage(qn + (long)kh * T * dk, t0, L, dk);
-    float o[DC_RPT][4] = {};
-    blk.times_state(o);
+    float o[DC_WARP_TILES][MMA_ACC] = {};
 #pragma unroll
-    for (int m = 0; m < DC_RPT; m++) {
-        const float gamma_t = expf(blk.g[tr + DC_RSTEP * m]);
+    for (int m = 0; m < DC_WARP_TILES; m++) {
+        const int tile = blk.warp + m * DC_WARPS;
+        if (tile >= DC_OUT_TILES) continue;
+        const int mt = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+        blk.product(o[m], mt, nt, blk.S, blk.dk16);
 #pragma unroll
-        for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
+        for (int i = 0; i < MMA_ACC; i++) o[m][i] *= expf(blk.g[mt * 16 + mma_row(i)]);
     }
     blk.stage(p + ((long)h * chunks + chunk) * DC_CHUNK * DC_CHUNK, 0, DC_CHUNK, DC_CHUNK);
-    for (int s = 0; s < L; s++) {
-        const float4 us = *(const float4*)&blk.Us[s * DC_COLS + jc];
 #pragma unroll
-        for (int m = 0; m < DC_RPT; m++) {
-            const float pv = blk.buf[(tr + DC_RSTEP * m) * blk.bs + s];
-            o[m][0] += pv * us.x;
-            o[m][1] += pv * us.y;
-            o[m][2] += pv * us.z;
-            o[m][3] += pv * us.w;
+    for (int m = 0; m < DC_WARP_TILES; m++) {
+        const int tile = blk.warp + m * DC_WARPS;
+        if (tile >= DC_OUT_TILES) continue;
+        const int mt = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+        blk.product(o[m], mt, nt, blk.Us, DC_CHUNK);
+#pragma unroll
+        for (int i = 0; i < MMA_ACC; i++) {
+            const int t = mt * 16 + mma_row(i), c = nt * 16 + mma_col(i);
+            if (t < L && j0 + c < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + c] = o[m][i];
         }
-    }
-#pragma unroll
-    for (int m = 0; m < DC_RPT; m++) {
-        const int t = tr + DC_RSTEP * m;
-        if (t >= L) continue;
-#pragma unroll
-        for (int x = 0; x < 4; x++)
-            if (j0 + jc + x < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + jc + x] = o[m][x];
     }
 }
