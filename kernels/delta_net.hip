@@ -257,13 +257,23 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_MAX_DK 128
 #define DC_COLS 32
 #define DC_MP (DC_CHUNK + 1)
+#define DC_SS (DC_COLS + 4)
+#define DC_WARPS (DC_THREADS / WARP_SIZE)
+// 16×16 tiles of a chunk's [DC_CHUNK, DC_COLS] outputs (W·S, o) and of a [DC_CHUNK, DC_CHUNK]
+// product (the Gram matrices, a 64-column piece of W or Ũ), and how many a warp takes.
+#define DC_OUT_TILES (DC_CHUNK / 16 * DC_COLS / 16)
+#define DC_WARP_TILES ((DC_OUT_TILES + DC_WARPS - 1) / DC_WARPS)
+#define DC_SQ_TILES (DC_CHUNK / 16 * DC_CHUNK / 16)
+#define DC_WARP_SQ_TILES ((DC_SQ_TILES + DC_WARPS - 1) / DC_WARPS)
 // Values of a q or k row each lane of delta_chunk_prep holds.
 #define DC_LANE_VALUES ((DC_MAX_DK + WARP_SIZE - 1) / WARP_SIZE)
 
-// delta_chunk_prep: one block per (value head, chunk). Dynamic shared memory, in floats:
-// DC_CHUNK·ks (ks = max(dk + 1, DC_MP): k̂, then 64 columns of V · β at a time) + DC_CHUNK·DC_MP
-// (q̂ staged 64 columns at a time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale).
-// Only the first value head of each key head writes qn and kn.
+// delta_chunk_prep: one block per (value head, chunk); the Gram matrices and the triangular
+// products on the matrix cores (common/mma.h's split products), the triangular solve on the
+// vector units. Dynamic shared memory, in floats: DC_CHUNK·ks (ks = max(dk16, DC_CHUNK) + 4: k̂
+// (zero past dk), then 64 columns of V · β at a time) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a
+// time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale). Only the first value head of
+// each key head writes qn and kn.
 // Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
@@ -274,7 +284,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
     const int ratio = value_heads / key_heads, kh = h / ratio;
     const bool owner = h % ratio == 0;
-    const int ks = max(dk + 1, DC_MP);
+    const int dk16 = (dk + 15) / 16 * 16, ks = max(dk16, DC_CHUNK) + 4;
     float* kS = dc_smem;
     float* M = kS + DC_CHUNK * ks;
     float* beta = M + DC_CHUNK * DC_MP;
@@ -286,6 +296,8 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     const float q_scale = 1.0f / sqrtf((float)dk);
     const float rate = -expf(a_log[h]), bias = dt_bias[h];
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = DC_THREADS / WARP_SIZE;
+    for (int idx = tid; idx < DC_CHUNK * ks; idx += DC_THREADS) kS[idx] = 0.0f;  // the columns past dk stay zero
+    __syncthreads();
 
     // 1. k̂ into shared memory (rows past L zero), q̂ and k̂ to the scratch, β and log decays.
     for (int r = warp; r < DC_CHUNK; r += warps) {
@@ -342,14 +354,9 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
         if (tid < L) gam[(long)h * T + t0 + tid] = gm[tid];
     }
 
-    // 3. Gram k̂·k̂ and q̂·k̂, a 4×4 tile of the 64×64 each per thread; q̂ staged through M, 64
-    // columns at a time.
-    const int tr = tid / 16, tc = tid % 16;
-    float ga[4][4], pa[4][4];
-#pragma unroll
-    for (int x = 0; x < 4; x++)
-#pragma unroll
-        for (int y = 0; y < 4; y++) ga[x][y] = pa[x][y] = 0.0f;
+    // 3. Gram k̂·k̂ and q̂·k̂, DC_WARP_SQ_TILES tiles of the 64×64 each a warp; q̂ staged through M,
+    // 64 columns at a time.
+    float ga[DC_WARP_SQ_TILES][MMA_ACC] = {}, pa[DC_WARP_SQ_TILES][MMA_ACC] = {};
     for (int e0 = 0; e0 < dk; e0 += DC_CHUNK) {
         __syncthreads();
         for (int idx = tid; idx < DC_CHUNK * DC_CHUNK; idx += DC_THREADS) {
@@ -357,36 +364,36 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
             M[r * DC_MP + idx % DC_CHUNK] = r < L && e < dk ? qkv[(t0 + r) * width + q_at + e] * invq[r] : 0.0f;
         }
         __syncthreads();
-        const int e1 = min(dk, e0 + DC_CHUNK);
-        for (int e = e0; e < e1; e++) {
-            float kr[4], kc[4], qr[4];
+        const int e1 = min(dk16, e0 + DC_CHUNK);
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                kr[x] = kS[(4 * tr + x) * ks + e];
-                kc[x] = kS[(4 * tc + x) * ks + e];
-                qr[x] = M[(4 * tr + x) * DC_MP + e - e0];
+        for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
+            const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
+            if (tile >= DC_SQ_TILES) continue;
+            for (int e = e0; e < e1; e += 16) {
+                mma_split_t ka, qa, kb;
+                mma_split_a(ka, kS + mt * 16 * ks + e, ks);
+                mma_split_a(qa, M + mt * 16 * DC_MP + e - e0, DC_MP);
+                mma_split_b(kb, kS + nt * 16 * ks + e, ks);
+                mma16_split(ga[m], ka, kb);
+                mma16_split(pa[m], qa, kb);
             }
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) {
-                    ga[x][y] += kr[x] * kc[y];
-                    pa[x][y] += qr[x] * kc[y];
-                }
         }
     }
     __syncthreads();
     float* pc = p + ((long)h * gridDim.y + chunk) * DC_CHUNK * DC_CHUNK;
 #pragma unroll
-    for (int x = 0; x < 4; x++)
+    for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
+        const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
+        if (tile >= DC_SQ_TILES) continue;
 #pragma unroll
-        for (int y = 0; y < 4; y++) {
-            const int t = 4 * tr + x, s = 4 * tc + y;
+        for (int i = 0; i < MMA_ACC; i++) {
+            const int t = mt * 16 + mma_row(i), s = nt * 16 + mma_col(i);
             const bool in = t < L && s <= t;
             const float decay = in ? expf(gm[t] - gm[s]) : 0.0f;
-            pc[t * DC_CHUNK + s] = in ? pa[x][y] * decay : 0.0f;
-            M[t * DC_MP + s] = in && s < t ? beta[t] * decay * ga[x][y] : 0.0f;
+            pc[t * DC_CHUNK + s] = in ? pa[m][i] * decay : 0.0f;
+            M[t * DC_MP + s] = in && s < t ? beta[t] * decay * ga[m][i] : 0.0f;
         }
+    }
     __syncthreads();
 
     // 4. T = (I + A)⁻¹ in place, row by row (forward substitution; the unit diagonal implicit):
@@ -406,38 +413,33 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
         }
     }
 
-    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, 64 columns at a time: a thread takes rows
-    // rg + 8m and columns cl + 32n (n < 2). Each 64 columns of V · β are staged where k̂ was, once
-    // W is done (V's rows lie far apart in qkv: loaded in the loop, every row waited out a memory
-    // latency).
-    const int rg = tid / 32, cl = tid % 32;
+    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, each X + (T − I)·X for its X, 64 columns
+    // at a time on the matrix cores. K̂'s rows are scaled by βΓ in place first; each 64 columns of
+    // V · β are staged where k̂ was, once W is done (V's rows lie far apart in qkv: loaded in the
+    // loop, every row waited out a memory latency).
+    for (int idx = tid; idx < DC_CHUNK * ks; idx += DC_THREADS) kS[idx] *= bgam[idx / ks];
     auto triangular_product = [&](bool is_w, int base) {
-        const int n_cols = is_w ? dk : dv;
-        float acc[8][2] = {};
-        for (int r = 0; r < L; r++) {
-            float x[2];
+        const int n_cols = is_w ? dk : dv, x0 = is_w ? base : 0;  // X's first column in kS
+        __syncthreads();  // X is whole
 #pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const int c = cl + 32 * n;
-                x[n] = base + c >= n_cols ? 0.0f : is_w ? kS[r * ks + base + c] * bgam[r] : kS[r * ks + c];
+        for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
+            const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
+            if (tile >= DC_SQ_TILES) continue;
+            float acc[MMA_ACC];
+#pragma unroll
+            for (int i = 0; i < MMA_ACC; i++) acc[i] = kS[(mt * 16 + mma_row(i)) * ks + x0 + nt * 16 + mma_col(i)];
+            for (int r0 = 0; r0 < DC_CHUNK; r0 += 16) {
+                mma_split_t ta, xb;
+                mma_split_a(ta, M + mt * 16 * DC_MP + r0, DC_MP);
+                mma_split_bt(xb, kS + r0 * ks + x0 + nt * 16, ks);
+                mma16_split(acc, ta, xb);
             }
 #pragma unroll
-            for (int m = 0; m < 8; m++) {
-                const int t = rg + 8 * m;
-                const float tv = t == r ? 1.0f : r < t ? M[t * DC_MP + r] : 0.0f;
-#pragma unroll
-                for (int n = 0; n < 2; n++) acc[m][n] += tv * x[n];
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            const int t = rg + 8 * m;
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const int e = base + cl + 32 * n;
+            for (int i = 0; i < MMA_ACC; i++) {
+                const int t = mt * 16 + mma_row(i), e = base + nt * 16 + mma_col(i);
                 if (t >= L || e >= n_cols) continue;
-                if (is_w) w[((long)h * T + t0 + t) * dk + e] = acc[m][n];
-                else u[((long)h * T + t0 + t) * dv + e] = acc[m][n];
+                if (is_w) w[((long)h * T + t0 + t) * dk + e] = acc[i];
+                else u[((long)h * T + t0 + t) * dv + e] = acc[i];
             }
         }
     };
@@ -448,7 +450,6 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
             const int r = idx / DC_CHUNK, c = idx % DC_CHUNK;
             kS[r * ks + c] = r < L && base + c < dv ? qkv[(t0 + r) * width + v_at + base + c] * beta[r] : 0.0f;
         }
-        __syncthreads();
         triangular_product(false, base);
     }
 }
@@ -466,11 +467,6 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
 // has them) before it is used. Dynamic shared memory, in floats: DC_CHUNK·bs + dk16·DC_SS +
 // DC_CHUNK·DC_SS + DC_CHUNK (under 64 KB for dk = 128: AMD's LDS). The strides keep the fragment
 // loads of NVIDIA's layout free of bank conflicts (bs ≡ 4 and DC_SS ≡ 4 mod 32 words).
-#define DC_SS (DC_COLS + 4)
-#define DC_WARPS (DC_THREADS / WARP_SIZE)
-// Output tiles of a chunk's [DC_CHUNK, DC_COLS] (W·S, o), and how many a warp takes.
-#define DC_OUT_TILES (DC_CHUNK / 16 * DC_COLS / 16)
-#define DC_WARP_TILES ((DC_OUT_TILES + DC_WARPS - 1) / DC_WARPS)
 struct DcBlock {
     float* buf;
     float* S;

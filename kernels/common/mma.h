@@ -21,8 +21,9 @@
 // f32 operands to near-f32 accuracy: each value split into bf16 hi (x rounded) and lo (the rest,
 // rounded; 16 significant bits together), and A·B taken as hi·hi + hi·lo + lo·hi (the lo·lo
 // term, under 2^-16 of a product, left out). From f32 in shared memory, any stride:
-//   mma_split_t a, b;  mma_split_a(a, A, lda);  mma_split_bt(b, Bt, ldbt);  mma16_split(acc, a, b);
-// mma_split_at(a, At, ldat) loads A from its transpose At [k][m]. Without matrix cores the product
+//   mma_split_t a, b;  mma_split_a(a, A, lda);  mma_split_b(b, B, ldb);  mma16_split(acc, a, b);
+// mma_split_at(a, At, ldat) loads A from its transpose At [k][m], mma_split_bt(b, Bt, ldbt) B from
+// its transpose Bt [k][n]. Without matrix cores the product
 // is the plain f32 loop.
 #pragma once
 #include "portable.h"
@@ -275,6 +276,9 @@ __device__ __forceinline__ void mma_split_a(mma_split_t& f, const float* A, int 
 __device__ __forceinline__ void mma_split_at(mma_split_t& f, const float* At, int ldat) {
     mma_split_fill<false>(f.hi, f.lo, [&](int r, int k) { return At[k * ldat + r]; });
 }
+__device__ __forceinline__ void mma_split_b(mma_split_t& f, const float* B, int ldb) {
+    mma_split_fill<true>(f.hi, f.lo, [&](int n, int k) { return B[n * ldb + k]; });
+}
 __device__ __forceinline__ void mma_split_bt(mma_split_t& f, const float* Bt, int ldbt) {
     mma_split_fill<true>(f.hi, f.lo, [&](int n, int k) { return Bt[k * ldbt + n]; });
 }
@@ -289,6 +293,7 @@ __device__ __forceinline__ void mma16_split(float* acc, const mma_split_t& a, co
 struct mma_split_t { const float* p; int ld, k_step; };
 __device__ __forceinline__ void mma_split_a(mma_split_t& f, const float* A, int lda) { f = {A, lda, 1}; }
 __device__ __forceinline__ void mma_split_at(mma_split_t& f, const float* At, int ldat) { f = {At, 1, ldat}; }
+__device__ __forceinline__ void mma_split_b(mma_split_t& f, const float* B, int ldb) { f = {B, ldb, 1}; }
 __device__ __forceinline__ void mma_split_bt(mma_split_t& f, const float* Bt, int ldbt) { f = {Bt, 1, ldbt}; }
 __device__ __forceinline__ void mma16_split(float* acc, const mma_split_t& a, const mma_split_t& b) {
 #pragma unroll

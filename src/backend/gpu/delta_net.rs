@@ -33,9 +33,9 @@ const MAX_GRID_YZ: usize = 65_535;
 /// heads of `dk` (the sums in their header comments).
 fn chunked_shared_bytes(dk: usize) -> (usize, usize) {
     let f32s = std::mem::size_of::<f32>();
-    let prep = DC_CHUNK * (dk + 1).max(DC_CHUNK + 1) + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
     let dk16 = dk.div_ceil(16) * 16;
     let buf_stride = dk16.max(DC_CHUNK) + 4;
+    let prep = DC_CHUNK * buf_stride + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
     let state_stride = DC_COLS + 4;
     let scan = DC_CHUNK * buf_stride + dk16 * state_stride + DC_CHUNK * state_stride + DC_CHUNK;
     (prep * f32s, scan * f32s)
