@@ -84,14 +84,13 @@ pub(crate) const KERNELS: [&str; 144] = [
 ];
 
 /// Kernels that exist only where mma.sync does (kernels/linear.hip's BF16_ROWS_MMA, sm_80+).
-const MMA_KERNELS: [&str; 7] = [
+const MMA_KERNELS: [&str; 6] = [
     "gemv1_bf16_mma",
     "gemv1_bf16_mma_tokens",
     "gemv1_gate_up_bf16_mma",
     "gemv1_gate_up_bf16_mma_tokens",
     "gemv1_fp8_split",
     "gemv1_gate_up_fp8_split",
-    "token_rms_scale",
 ];
 
 /// Kernels that exist only where wgmma does (kernels/gemm.hip, sm_90a).
