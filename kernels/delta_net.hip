@@ -269,11 +269,11 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_LANE_VALUES ((DC_MAX_DK + WARP_SIZE - 1) / WARP_SIZE)
 
 // delta_chunk_prep: one block per (value head, chunk); the Gram matrices and the triangular
-// products on the matrix cores (common/mma.h's split products), the triangular solve on the
-// vector units. Dynamic shared memory, in floats: DC_CHUNK·ks (ks = max(dk16, DC_CHUNK) + 4: k̂
+// products and the triangular solve's off-diagonal blocks on the matrix cores (common/mma.h's split
+// products). Dynamic shared memory, in floats: DC_CHUNK·ks (ks = max(dk16, DC_CHUNK) + 4: k̂
 // (zero past dk), then 64 columns of V · β at a time) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a
-// time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale). Only the first value head of
-// each key head writes qn and kn.
+// time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale) + (DC_CHUNK / 16 − 1)·256 (the
+// triangular solve's blocks). Only the first value head of each key head writes qn and kn.
 // Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
@@ -291,6 +291,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     float* gm = beta + DC_CHUNK;
     float* bgam = gm + DC_CHUNK;
     float* invq = bgam + DC_CHUNK;
+    float* xs = invq + DC_CHUNK;  // the triangular solve's X blocks
     const long width = 2L * key_heads * dk + (long)value_heads * dv;
     const long q_at = (long)kh * dk, k_at = (long)key_heads * dk + q_at, v_at = 2L * key_heads * dk + (long)h * dv;
     const float q_scale = 1.0f / sqrtf((float)dk);
@@ -396,20 +397,57 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     }
     __syncthreads();
 
-    // 4. T = (I + A)⁻¹ in place, row by row (forward substitution; the unit diagonal implicit):
-    // T[s][j] = −(A[s][j] + Σ_{j<r<s} A[s][r] T[r][j]). Four threads per column j.
+    // 4. T = (I + A)⁻¹ in place (A strictly lower; M keeps T − I), in blocks of 16. Each diagonal
+    // block T_bb = (I + A_bb)⁻¹ by forward substitution, a warp a block and a lane a column j
+    // (its column of T in registers): T[s][j] = −(A[s][j] + Σ_{j<r<s} A[s][r] T[r][j]). Then block
+    // row by block row on the matrix cores, T_ij = −T_ii X_j with X_j = A_ij T_jj + Σ_{j<k<i} A_ik
+    // T_kj for j < i, a warp each: every X_j of a row is taken (from the row's A) before any T_ij
+    // is written over it.
     {
-        const int j = tid / 4, part = tid % 4;
-        for (int s = 1; s < L; s++) {
-            float acc = 0.0f;
-            if (j < s)
-                for (int r = j + 1 + part; r < s; r += 4) acc += M[s * DC_MP + r] * M[r * DC_MP + j];
-            acc += shfl_xor(acc, 1);
-            acc += shfl_xor(acc, 2);
-            const float next = j < s ? -(M[s * DC_MP + j] + acc) : 0.0f;
-            __syncthreads();
-            if (j < s && part == 0) M[s * DC_MP + j] = next;
-            __syncthreads();
+        const int b = warp, j = lane % 16;
+        float tcol[16];
+        if (b < DC_CHUNK / 16) {
+            const float* Ab = M + 16 * b * DC_MP + 16 * b;
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                float v = r == j ? 1.0f : 0.0f;
+#pragma unroll
+                for (int q = 0; q < r; q++) v -= Ab[r * DC_MP + q] * tcol[q];
+                tcol[r] = v;
+            }
+        }
+        __syncthreads();  // every lane has read its block's A
+        if (b < DC_CHUNK / 16 && lane < 16) {
+#pragma unroll
+            for (int r = 0; r < 16; r++)
+                if (r > j) M[(16 * b + r) * DC_MP + 16 * b + j] = tcol[r];
+        }
+        for (int i = 1; i < DC_CHUNK / 16; i++) {
+            __syncthreads();  // T's block rows above i are whole
+            const bool mine = warp < i;  // block column j = warp
+            float x[MMA_ACC];
+            if (mine) {
+                const float* Aij = M + 16 * i * DC_MP + 16 * warp;
+#pragma unroll
+                for (int e = 0; e < MMA_ACC; e++) x[e] = Aij[mma_row(e) * DC_MP + mma_col(e)];  // A_ij times T_jj's I
+                for (int k = warp; k < i; k++) {
+                    mma_split_t a, t;
+                    mma_split_a(a, M + 16 * i * DC_MP + 16 * k, DC_MP);
+                    mma_split_bt(t, M + 16 * k * DC_MP + 16 * warp, DC_MP);
+                    mma16_split(x, a, t);
+                }
+#pragma unroll
+                for (int e = 0; e < MMA_ACC; e++) xs[warp * 256 + mma_row(e) * 16 + mma_col(e)] = x[e];
+            }
+            __syncthreads();  // the row's X are whole, and its A read
+            if (mine) {
+                mma_split_t a, xb;
+                mma_split_a(a, M + 16 * i * DC_MP + 16 * i, DC_MP);
+                mma_split_bt(xb, xs + warp * 256, 16);
+                mma16_split(x, a, xb);
+#pragma unroll
+                for (int e = 0; e < MMA_ACC; e++) M[(16 * i + mma_row(e)) * DC_MP + 16 * warp + mma_col(e)] = -x[e];
+            }
         }
     }
 
