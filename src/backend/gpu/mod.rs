@@ -448,6 +448,9 @@ const GEMV1_TOKENS: usize = 8;
 const SPLIT_UNITS: usize = 8;
 const SPLIT_TILES: usize = 8;
 const SPLIT_MAX_GROUPS: usize = 16_384;
+// Block u of a row group computes token u's norm scale (u < tokens <= GEMV1_TOKENS) with as many
+// threads as the one-token kernel, so that each token's scale has the bits it has alone.
+const _: () = assert!(32 * SPLIT_TILES as u32 == FP8_GEMV_THREADS && SPLIT_UNITS >= GEMV1_TOKENS);
 /// The FP8 one-token, one-tile kernel's weight slots in shared memory (kernels/linear.hip's
 /// Fp8Async): FP8_ASYNC_SLOTS of them, each 16 rows of FP8_SLOT_ROW bytes and FP8_SLOT_SCALES
 /// floats.
