@@ -256,7 +256,10 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 #define DC_THREADS 256
 #define DC_MAX_DK 128
 #define DC_COLS 32
-#define DC_MP (DC_CHUNK + 1)
+// Row strides of prep's M and of the solve's X blocks: 4 more than a row (rows 4 banks apart),
+// so a transposed fragment's 32 reads hit 32 banks and a row-major one's at most two a bank.
+#define DC_MP (DC_CHUNK + 4)
+#define DC_XS (16 + 4)
 #define DC_SS (DC_COLS + 4)
 #define DC_WARPS (DC_THREADS / WARP_SIZE)
 // 16×16 tiles of a chunk's [DC_CHUNK, DC_COLS] outputs (W·S, o) and of a [DC_CHUNK, DC_CHUNK]
@@ -272,8 +275,8 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 // products and the triangular solve's off-diagonal blocks on the matrix cores (common/mma.h's split
 // products). Dynamic shared memory, in floats: DC_CHUNK·ks (ks = max(dk16, DC_CHUNK) + 4: k̂
 // (zero past dk), then 64 columns of V · β at a time) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a
-// time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale) + (DC_CHUNK / 16 − 1)·256 (the
-// triangular solve's blocks). Only the first value head of each key head writes qn and kn.
+// time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale) + (DC_CHUNK / 16 − 1)·16·DC_XS
+// (the triangular solve's blocks). Only the first value head of each key head writes qn and kn.
 // Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
@@ -369,7 +372,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
 #pragma unroll
         for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
             const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
-            if (tile >= DC_SQ_TILES) continue;
+            if (tile >= DC_SQ_TILES || nt > mt) continue;  // above the diagonal: all zero (s > t)
             for (int e = e0; e < e1; e += 16) {
                 mma_split_t ka, qa, kb;
                 mma_split_a(ka, kS + mt * 16 * ks + e, ks);
@@ -437,13 +440,13 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
                     mma16_split(x, a, t);
                 }
 #pragma unroll
-                for (int e = 0; e < MMA_ACC; e++) xs[warp * 256 + mma_row(e) * 16 + mma_col(e)] = x[e];
+                for (int e = 0; e < MMA_ACC; e++) xs[warp * 16 * DC_XS + mma_row(e) * DC_XS + mma_col(e)] = x[e];
             }
             __syncthreads();  // the row's X are whole, and its A read
             if (mine) {
                 mma_split_t a, xb;
                 mma_split_a(a, M + 16 * i * DC_MP + 16 * i, DC_MP);
-                mma_split_bt(xb, xs + warp * 256, 16);
+                mma_split_bt(xb, xs + warp * 16 * DC_XS, DC_XS);
                 mma16_split(x, a, xb);
 #pragma unroll
                 for (int e = 0; e < MMA_ACC; e++) M[(16 * i + mma_row(e)) * DC_MP + 16 * warp + mma_col(e)] = -x[e];
@@ -462,11 +465,12 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
 #pragma unroll
         for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
             const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
-            if (tile >= DC_SQ_TILES) continue;
+            // Columns past X's (rounded to 16) are never stored; T − I is zero right of its diagonal block.
+            if (tile >= DC_SQ_TILES || base + nt * 16 >= n_cols) continue;
             float acc[MMA_ACC];
 #pragma unroll
             for (int i = 0; i < MMA_ACC; i++) acc[i] = kS[(mt * 16 + mma_row(i)) * ks + x0 + nt * 16 + mma_col(i)];
-            for (int r0 = 0; r0 < DC_CHUNK; r0 += 16) {
+            for (int r0 = 0; r0 <= mt * 16; r0 += 16) {
                 mma_split_t ta, xb;
                 mma_split_a(ta, M + mt * 16 * DC_MP + r0, DC_MP);
                 mma_split_bt(xb, kS + r0 * ks + x0 + nt * 16, ks);

@@ -35,7 +35,7 @@ fn chunked_shared_bytes(dk: usize) -> (usize, usize) {
     let f32s = std::mem::size_of::<f32>();
     let dk16 = dk.div_ceil(16) * 16;
     let buf_stride = dk16.max(DC_CHUNK) + 4;
-    let prep = DC_CHUNK * buf_stride + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK + (DC_CHUNK / 16 - 1) * 256;
+    let prep = DC_CHUNK * buf_stride + DC_CHUNK * (DC_CHUNK + 4) + 4 * DC_CHUNK + (DC_CHUNK / 16 - 1) * 16 * (16 + 4);
     let state_stride = DC_COLS + 4;
     let scan = DC_CHUNK * buf_stride + dk16 * state_stride + DC_CHUNK * state_stride + DC_CHUNK;
     (prep * f32s, scan * f32s)
