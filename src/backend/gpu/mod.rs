@@ -164,8 +164,8 @@ impl GpuWeight {
     /// `tiles`: 16-row tiles a block takes at once (gemv1 1; gate/up 2, or 1 for FP8's one-token
     /// kernel and bf16's on matrix cores, which pair 8 gate rows with their up rows): the FP8
     /// one-tile kernels have weight slots where async copies exist, so they are the largest
-    /// launch (what the fits checks measure). `several`: the several-token kernel (`gemv1_kernel`), whatever `tokens` this
-    /// launch takes.
+    /// launch (what the fits checks measure). `several`: the several-token kernel
+    /// (`gemv1_kernel`), whatever `tokens` this launch takes.
     fn gemv1_launch(&self, rows: usize, tiles: usize, normed: bool, tokens: usize, several: bool, dev: GemvDevice) -> ([u32; 3], [u32; 3], u32) {
         let several = several || self.lacks_slots(dev);
         match self.format {
