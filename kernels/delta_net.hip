@@ -2,6 +2,7 @@
 // the gated delta rule, recurrent (decode, as the CPU reference computes it: src/backend/cpu/mod.rs;
 // the maths in tests/fixtures/HYBRID_NOTES.md §3.3) and chunked (prefill). The gated RMSNorm is in
 // norm.hip, the sigmoid gate in elementwise.hip.
+#include "common/mma.h"
 #include "common/portable.h"
 
 // conv1d_silu: causal depthwise convolution over time, then SiLU, continuing from a state.
@@ -246,27 +247,36 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DN_THREADS, 4)
 //   o_t = Γ_t · S₀ᵀ q̂_t + Σ_{s≤t} exp(γ_t − γ_s) (q̂_t·k̂_s) u_s,
 //   S_L = Γ_L · S₀ + Σ_s exp(γ_L − γ_s) k̂_s u_sᵀ.
 // Every exp above is of a non-positive number. delta_chunk_prep computes what does not depend on
-// the state (every chunk at once); delta_chunk_scan then walks the chunks in order per head with
-// the state. Both take a slice of the sequence (T tokens); their scratch is laid out per slice:
-// qn, kn [Hk, T, dk]; w [Hv, T, dk]; u [Hv, T, dv]; p [Hv, ceil(T / DC_CHUNK), DC_CHUNK, DC_CHUNK]
-// (P[t][s] = exp(γ_t − γ_s) q̂_t·k̂_s for s ≤ t); gam [Hv, T] (γ). Needs dk <= DC_MAX_DK.
+// the state (every chunk at once); delta_chunk_state then walks the chunks in order per head with
+// the state, and delta_chunk_out gives every chunk's outputs at once. All take a slice of the
+// sequence (T tokens); their scratch is laid out per slice: qn, kn [Hk, T, dk]; w [Hv, T, dk];
+// u [Hv, T, dv]; p [Hv, ceil(T / DC_CHUNK), DC_CHUNK, DC_CHUNK] (P[t][s] = exp(γ_t − γ_s) q̂_t·k̂_s
+// for s ≤ t); gam [Hv, T] (γ); hs [Hv, ceil(T / DC_CHUNK), dk, dv]. Needs dk <= DC_MAX_DK.
 #define DC_CHUNK 64
 #define DC_THREADS 256
 #define DC_MAX_DK 128
 #define DC_COLS 32
-// delta_chunk_scan's threads: DC_COLS / 4 a row of outputs (4 columns each), DC_RSTEP rows at
-// once, DC_RPT rows a thread (DC_SRPT of the state).
-#define DC_RSTEP (DC_THREADS / (DC_COLS / 4))
-#define DC_RPT (DC_CHUNK / DC_RSTEP)
-#define DC_SRPT (DC_MAX_DK / DC_RSTEP)
-#define DC_MP (DC_CHUNK + 1)
+// Row strides of prep's M and of the solve's X blocks: 4 more than a row (rows 4 banks apart),
+// so a transposed fragment's 32 reads hit 32 banks and a row-major one's at most two a bank.
+#define DC_MP (DC_CHUNK + 4)
+#define DC_XS (16 + 4)
+#define DC_SS (DC_COLS + 4)
+#define DC_WARPS (DC_THREADS / WARP_SIZE)
+// 16×16 tiles of a chunk's [DC_CHUNK, DC_COLS] outputs (W·S, o) and of a [DC_CHUNK, DC_CHUNK]
+// product (the Gram matrices, a 64-column piece of W or Ũ), and how many a warp takes.
+#define DC_OUT_TILES (DC_CHUNK / 16 * DC_COLS / 16)
+#define DC_WARP_TILES ((DC_OUT_TILES + DC_WARPS - 1) / DC_WARPS)
+#define DC_SQ_TILES (DC_CHUNK / 16 * DC_CHUNK / 16)
+#define DC_WARP_SQ_TILES ((DC_SQ_TILES + DC_WARPS - 1) / DC_WARPS)
 // Values of a q or k row each lane of delta_chunk_prep holds.
 #define DC_LANE_VALUES ((DC_MAX_DK + WARP_SIZE - 1) / WARP_SIZE)
 
-// delta_chunk_prep: one block per (value head, chunk). Dynamic shared memory, in floats:
-// DC_CHUNK·ks (ks = max(dk + 1, DC_MP): k̂, then 64 columns of V · β at a time) + DC_CHUNK·DC_MP
-// (q̂ staged 64 columns at a time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale).
-// Only the first value head of each key head writes qn and kn.
+// delta_chunk_prep: one block per (value head, chunk); the Gram matrices and the triangular
+// products and the triangular solve's off-diagonal blocks on the matrix cores (common/mma.h's split
+// products). Dynamic shared memory, in floats: DC_CHUNK·ks (ks = max(dk16, DC_CHUNK) + 4: k̂
+// (zero past dk), then 64 columns of V · β at a time) + DC_CHUNK·DC_MP (q̂ staged 64 columns at a
+// time, then A, then T in place) + 4·DC_CHUNK (β, γ, βΓ, q's scale) + (DC_CHUNK / 16 − 1)·16·DC_XS
+// (the triangular solve's blocks). Only the first value head of each key head writes qn and kn.
 // Launch: grid (Hv, ceil(T / DC_CHUNK)), block DC_THREADS.
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     delta_chunk_prep(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
@@ -277,18 +287,21 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
     const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
     const int ratio = value_heads / key_heads, kh = h / ratio;
     const bool owner = h % ratio == 0;
-    const int ks = max(dk + 1, DC_MP);
+    const int dk16 = (dk + 15) / 16 * 16, ks = max(dk16, DC_CHUNK) + 4;
     float* kS = dc_smem;
     float* M = kS + DC_CHUNK * ks;
     float* beta = M + DC_CHUNK * DC_MP;
     float* gm = beta + DC_CHUNK;
     float* bgam = gm + DC_CHUNK;
     float* invq = bgam + DC_CHUNK;
+    float* xs = invq + DC_CHUNK;  // the triangular solve's X blocks
     const long width = 2L * key_heads * dk + (long)value_heads * dv;
     const long q_at = (long)kh * dk, k_at = (long)key_heads * dk + q_at, v_at = 2L * key_heads * dk + (long)h * dv;
     const float q_scale = 1.0f / sqrtf((float)dk);
     const float rate = -expf(a_log[h]), bias = dt_bias[h];
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, warps = DC_THREADS / WARP_SIZE;
+    for (int idx = tid; idx < DC_CHUNK * ks; idx += DC_THREADS) kS[idx] = 0.0f;  // the columns past dk stay zero
+    __syncthreads();
 
     // 1. k̂ into shared memory (rows past L zero), q̂ and k̂ to the scratch, β and log decays.
     for (int r = warp; r < DC_CHUNK; r += warps) {
@@ -345,14 +358,9 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
         if (tid < L) gam[(long)h * T + t0 + tid] = gm[tid];
     }
 
-    // 3. Gram k̂·k̂ and q̂·k̂, a 4×4 tile of the 64×64 each per thread; q̂ staged through M, 64
-    // columns at a time.
-    const int tr = tid / 16, tc = tid % 16;
-    float ga[4][4], pa[4][4];
-#pragma unroll
-    for (int x = 0; x < 4; x++)
-#pragma unroll
-        for (int y = 0; y < 4; y++) ga[x][y] = pa[x][y] = 0.0f;
+    // 3. Gram k̂·k̂ and q̂·k̂, DC_WARP_SQ_TILES tiles of the 64×64 each a warp; q̂ staged through M,
+    // 64 columns at a time.
+    float ga[DC_WARP_SQ_TILES][MMA_ACC] = {}, pa[DC_WARP_SQ_TILES][MMA_ACC] = {};
     for (int e0 = 0; e0 < dk; e0 += DC_CHUNK) {
         __syncthreads();
         for (int idx = tid; idx < DC_CHUNK * DC_CHUNK; idx += DC_THREADS) {
@@ -360,87 +368,120 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
             M[r * DC_MP + idx % DC_CHUNK] = r < L && e < dk ? qkv[(t0 + r) * width + q_at + e] * invq[r] : 0.0f;
         }
         __syncthreads();
-        const int e1 = min(dk, e0 + DC_CHUNK);
-        for (int e = e0; e < e1; e++) {
-            float kr[4], kc[4], qr[4];
+        const int e1 = min(dk16, e0 + DC_CHUNK);
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                kr[x] = kS[(4 * tr + x) * ks + e];
-                kc[x] = kS[(4 * tc + x) * ks + e];
-                qr[x] = M[(4 * tr + x) * DC_MP + e - e0];
+        for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
+            const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
+            if (tile >= DC_SQ_TILES || nt > mt) continue;  // above the diagonal: all zero (s > t)
+            for (int e = e0; e < e1; e += 16) {
+                mma_split_t ka, qa, kb;
+                mma_split_a(ka, kS + mt * 16 * ks + e, ks);
+                mma_split_a(qa, M + mt * 16 * DC_MP + e - e0, DC_MP);
+                mma_split_b(kb, kS + nt * 16 * ks + e, ks);
+                mma16_split(ga[m], ka, kb);
+                mma16_split(pa[m], qa, kb);
             }
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-#pragma unroll
-                for (int y = 0; y < 4; y++) {
-                    ga[x][y] += kr[x] * kc[y];
-                    pa[x][y] += qr[x] * kc[y];
-                }
         }
     }
     __syncthreads();
     float* pc = p + ((long)h * gridDim.y + chunk) * DC_CHUNK * DC_CHUNK;
 #pragma unroll
-    for (int x = 0; x < 4; x++)
+    for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
+        const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
+        if (tile >= DC_SQ_TILES) continue;
 #pragma unroll
-        for (int y = 0; y < 4; y++) {
-            const int t = 4 * tr + x, s = 4 * tc + y;
+        for (int i = 0; i < MMA_ACC; i++) {
+            const int t = mt * 16 + mma_row(i), s = nt * 16 + mma_col(i);
             const bool in = t < L && s <= t;
             const float decay = in ? expf(gm[t] - gm[s]) : 0.0f;
-            pc[t * DC_CHUNK + s] = in ? pa[x][y] * decay : 0.0f;
-            M[t * DC_MP + s] = in && s < t ? beta[t] * decay * ga[x][y] : 0.0f;
+            pc[t * DC_CHUNK + s] = in ? pa[m][i] * decay : 0.0f;
+            M[t * DC_MP + s] = in && s < t ? beta[t] * decay * ga[m][i] : 0.0f;
         }
+    }
     __syncthreads();
 
-    // 4. T = (I + A)⁻¹ in place, row by row (forward substitution; the unit diagonal implicit):
-    // T[s][j] = −(A[s][j] + Σ_{j<r<s} A[s][r] T[r][j]). Four threads per column j.
+    // 4. T = (I + A)⁻¹ in place (A strictly lower; M keeps T − I), in blocks of 16. Each diagonal
+    // block T_bb = (I + A_bb)⁻¹ by forward substitution, a warp a block and a lane a column j
+    // (its column of T in registers): T[s][j] = −(A[s][j] + Σ_{j<r<s} A[s][r] T[r][j]). Then block
+    // row by block row on the matrix cores, T_ij = −T_ii X_j with X_j = A_ij T_jj + Σ_{j<k<i} A_ik
+    // T_kj for j < i, a warp each: every X_j of a row is taken (from the row's A) before any T_ij
+    // is written over it.
     {
-        const int j = tid / 4, part = tid % 4;
-        for (int s = 1; s < L; s++) {
-            float acc = 0.0f;
-            if (j < s)
-                for (int r = j + 1 + part; r < s; r += 4) acc += M[s * DC_MP + r] * M[r * DC_MP + j];
-            acc += shfl_xor(acc, 1);
-            acc += shfl_xor(acc, 2);
-            const float next = j < s ? -(M[s * DC_MP + j] + acc) : 0.0f;
-            __syncthreads();
-            if (j < s && part == 0) M[s * DC_MP + j] = next;
-            __syncthreads();
+        const int b = warp, j = lane % 16;
+        float tcol[16];
+        if (b < DC_CHUNK / 16) {
+            const float* Ab = M + 16 * b * DC_MP + 16 * b;
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                float v = r == j ? 1.0f : 0.0f;
+#pragma unroll
+                for (int q = 0; q < r; q++) v -= Ab[r * DC_MP + q] * tcol[q];
+                tcol[r] = v;
+            }
+        }
+        __syncthreads();  // every lane has read its block's A
+        if (b < DC_CHUNK / 16 && lane < 16) {
+#pragma unroll
+            for (int r = 0; r < 16; r++)
+                if (r > j) M[(16 * b + r) * DC_MP + 16 * b + j] = tcol[r];
+        }
+        for (int i = 1; i < DC_CHUNK / 16; i++) {
+            __syncthreads();  // T's block rows above i are whole
+            const bool mine = warp < i;  // block column j = warp
+            float x[MMA_ACC];
+            if (mine) {
+                const float* Aij = M + 16 * i * DC_MP + 16 * warp;
+#pragma unroll
+                for (int e = 0; e < MMA_ACC; e++) x[e] = Aij[mma_row(e) * DC_MP + mma_col(e)];  // A_ij times T_jj's I
+                for (int k = warp; k < i; k++) {
+                    mma_split_t a, t;
+                    mma_split_a(a, M + 16 * i * DC_MP + 16 * k, DC_MP);
+                    mma_split_bt(t, M + 16 * k * DC_MP + 16 * warp, DC_MP);
+                    mma16_split(x, a, t);
+                }
+#pragma unroll
+                for (int e = 0; e < MMA_ACC; e++) xs[warp * 16 * DC_XS + mma_row(e) * DC_XS + mma_col(e)] = x[e];
+            }
+            __syncthreads();  // the row's X are whole, and its A read
+            if (mine) {
+                mma_split_t a, xb;
+                mma_split_a(a, M + 16 * i * DC_MP + 16 * i, DC_MP);
+                mma_split_bt(xb, xs + warp * 16 * DC_XS, DC_XS);
+                mma16_split(x, a, xb);
+#pragma unroll
+                for (int e = 0; e < MMA_ACC; e++) M[(16 * i + mma_row(e)) * DC_MP + 16 * warp + mma_col(e)] = -x[e];
+            }
         }
     }
 
-    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, 64 columns at a time: a thread takes rows
-    // rg + 8m and columns cl + 32n (n < 2). Each 64 columns of V · β are staged where k̂ was, once
-    // W is done (V's rows lie far apart in qkv: loaded in the loop, every row waited out a memory
-    // latency).
-    const int rg = tid / 32, cl = tid % 32;
+    // 5. W = T · diag(βΓ) · K̂ and Ũ = T · diag(β) · V, each X + (T − I)·X for its X, 64 columns
+    // at a time on the matrix cores. K̂'s rows are scaled by βΓ in place first; each 64 columns of
+    // V · β are staged where k̂ was, once W is done (V's rows lie far apart in qkv: loaded in the
+    // loop, every row waited out a memory latency).
+    for (int idx = tid; idx < DC_CHUNK * ks; idx += DC_THREADS) kS[idx] *= bgam[idx / ks];
     auto triangular_product = [&](bool is_w, int base) {
-        const int n_cols = is_w ? dk : dv;
-        float acc[8][2] = {};
-        for (int r = 0; r < L; r++) {
-            float x[2];
+        const int n_cols = is_w ? dk : dv, x0 = is_w ? base : 0;  // X's first column in kS
+        __syncthreads();  // X is whole
 #pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const int c = cl + 32 * n;
-                x[n] = base + c >= n_cols ? 0.0f : is_w ? kS[r * ks + base + c] * bgam[r] : kS[r * ks + c];
+        for (int m = 0; m < DC_WARP_SQ_TILES; m++) {
+            const int tile = warp + m * DC_WARPS, mt = tile / (DC_CHUNK / 16), nt = tile % (DC_CHUNK / 16);
+            // Columns past X's (rounded to 16) are never stored; T − I is zero right of its diagonal block.
+            if (tile >= DC_SQ_TILES || base + nt * 16 >= n_cols) continue;
+            float acc[MMA_ACC];
+#pragma unroll
+            for (int i = 0; i < MMA_ACC; i++) acc[i] = kS[(mt * 16 + mma_row(i)) * ks + x0 + nt * 16 + mma_col(i)];
+            for (int r0 = 0; r0 <= mt * 16; r0 += 16) {
+                mma_split_t ta, xb;
+                mma_split_a(ta, M + mt * 16 * DC_MP + r0, DC_MP);
+                mma_split_bt(xb, kS + r0 * ks + x0 + nt * 16, ks);
+                mma16_split(acc, ta, xb);
             }
 #pragma unroll
-            for (int m = 0; m < 8; m++) {
-                const int t = rg + 8 * m;
-                const float tv = t == r ? 1.0f : r < t ? M[t * DC_MP + r] : 0.0f;
-#pragma unroll
-                for (int n = 0; n < 2; n++) acc[m][n] += tv * x[n];
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            const int t = rg + 8 * m;
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const int e = base + cl + 32 * n;
+            for (int i = 0; i < MMA_ACC; i++) {
+                const int t = mt * 16 + mma_row(i), e = base + nt * 16 + mma_col(i);
                 if (t >= L || e >= n_cols) continue;
-                if (is_w) w[((long)h * T + t0 + t) * dk + e] = acc[m][n];
-                else u[((long)h * T + t0 + t) * dv + e] = acc[m][n];
+                if (is_w) w[((long)h * T + t0 + t) * dk + e] = acc[i];
+                else u[((long)h * T + t0 + t) * dv + e] = acc[i];
             }
         }
     };
@@ -451,43 +492,43 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 3)
             const int r = idx / DC_CHUNK, c = idx % DC_CHUNK;
             kS[r * ks + c] = r < L && base + c < dv ? qkv[(t0 + r) * width + v_at + base + c] * beta[r] : 0.0f;
         }
-        __syncthreads();
         triangular_product(false, base);
     }
 }
 
-// delta_chunk_scan: the chunks in order with the state, DC_COLS value columns of one head per
-// block (columns of S are independent). Per chunk: U = Ũ − W·S; o = Γ ⊙ (q̂·S) + P·U; S ← Γ_L·S
-// + K̃ᵀ·U with k̃_s = exp(γ_L − γ_s) k̂_s. The state slice S [dk, DC_COLS] stays in shared memory,
-// U too; W, q̂, P and k̂ pass through one buffer [DC_CHUNK, bs] (bs = max(dk, DC_CHUNK) + 4), each
-// copied in whole (async copies where the device has them) before it is used. Each sum runs over
-// i (or s) in order, one product at a time. Dynamic shared memory, in floats: DC_CHUNK·bs +
-// dk·DC_COLS + DC_CHUNK·DC_COLS + 2·DC_CHUNK (under 64 KB for dk = 128: AMD's LDS). A thread
-// owns outputs (rows tr + DC_RSTEP·m; columns 4tc .. 4tc + 3) of U and o, and of S (rows
-// tr + DC_RSTEP·m up to dk). Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
-ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
-    delta_chunk_scan(const float* qn, const float* kn, const float* w, const float* u, const float* p,
-                     const float* gam, float* state, float* out, int T, int key_heads, int value_heads, int dk,
-                     int dv) {
-    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
-    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, tid = threadIdx.x;
-    const int kh = h / (value_heads / key_heads);
-    const int bs = max(dk, DC_CHUNK) + 4;
-    float* buf = dc_smem;
-    float* S = buf + DC_CHUNK * bs;
-    float* Us = S + dk * DC_COLS;
-    float* g = Us + DC_CHUNK * DC_COLS;  // γ
-    float* k_decay = g + DC_CHUNK;       // exp(γ_L − γ_s)
-    float* Sg = state + (long)h * dk * dv;
-    const int tr = tid / (DC_COLS / 4), jc = 4 * (tid % (DC_COLS / 4));
-
-    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-        S[idx] = j < dv ? Sg[(long)i * dv + j] : 0.0f;
+// The state's walk over the chunks, split in two: delta_chunk_state walks them in order per head,
+// DC_COLS value columns of one head per block (columns of S are independent): per chunk it leaves
+// S (as the chunk finds it) in hs, turns Ũ into U = Ũ − W·S in place, and moves S on:
+// S ← Γ_L·S + K̂ᵀ·(diag(exp(γ_L − γ_s))·U). delta_chunk_out then takes every chunk at once:
+// o = Γ ⊙ (q̂·S) + P·U. The products that need only a chunk's own S leave the sequential walk.
+// The products run on the matrix cores as tiles of 16×16 (common/mma.h's split products: f32
+// operands as bf16 hi + lo, near f32's accuracy), a tile a warp at a time. A block holds a slice
+// S [dk16, DC_SS] and U [DC_CHUNK, DC_SS] in shared memory (dk16: dk rounded up to 16, the rows
+// past dk zero) and passes W, q̂, P and k̂ through one buffer [DC_CHUNK, bs] (bs = max(dk16,
+// DC_CHUNK) + 4; the columns past dk zero), each copied in whole (async copies where the device
+// has them) before it is used. Dynamic shared memory, in floats: DC_CHUNK·bs + dk16·DC_SS +
+// DC_CHUNK·DC_SS + DC_CHUNK (under 64 KB for dk = 128: AMD's LDS). The strides keep the fragment
+// loads of NVIDIA's layout free of bank conflicts (bs ≡ 4 and DC_SS ≡ 4 mod 32 words).
+struct DcBlock {
+    float* buf;
+    float* S;
+    float* Us;
+    float* g;  // γ
+    int bs, dk, dk16, tid, warp;
+    __device__ __forceinline__ DcBlock(float* smem, int dk_) : dk(dk_) {
+        dk16 = (dk + 15) / 16 * 16;
+        bs = max(dk16, DC_CHUNK) + 4;
+        buf = smem;
+        S = buf + DC_CHUNK * bs;
+        Us = S + dk16 * DC_SS;
+        g = Us + DC_CHUNK * DC_SS;
+        tid = threadIdx.x;
+        warp = tid / WARP_SIZE;
+        for (int idx = tid; idx < DC_CHUNK * bs; idx += DC_THREADS) buf[idx] = 0.0f;  // the padding stays zero
     }
     // Rows [t0, t0 + L) of a [.., cols] scratch into buf (row stride bs), zeros past L; every
     // thread has written what it had to once this returns, and the block sees it.
-    auto stage = [&](const float* src, int t0, int L, int cols) {
+    __device__ __forceinline__ void stage(const float* src, int t0, int L, int cols) {
         __syncthreads();  // buf's last readers are done
         if (cols % 4 == 0) {
             const int c4 = cols / 4;
@@ -504,107 +545,129 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
         async_commit();
         async_wait<0>();
         __syncthreads();
-    };
-    // acc[m][x] += Σ_i buf[row m][i] · S[i][jc + x], i in order.
-    auto times_state = [&](float (&acc)[DC_RPT][4]) {
-        for (int i = 0; i < dk; i++) {
-            const float4 sv = *(const float4*)&S[i * DC_COLS + jc];
-#pragma unroll
-            for (int m = 0; m < DC_RPT; m++) {
-                const float bv = buf[(tr + DC_RSTEP * m) * bs + i];
-                acc[m][0] += bv * sv.x;
-                acc[m][1] += bv * sv.y;
-                acc[m][2] += bv * sv.z;
-                acc[m][3] += bv * sv.w;
-            }
+    }
+    // S (rows past dk zero) from a [dk, dv] state, columns j0 ..
+    __device__ __forceinline__ void load_state(const float* from, int j0, int dv) {
+        for (int idx = tid; idx < dk16 * DC_COLS; idx += DC_THREADS) {
+            const int i = idx / DC_COLS, c = idx % DC_COLS, j = j0 + c;
+            S[i * DC_SS + c] = i < dk && j < dv ? from[(long)i * dv + j] : 0.0f;
         }
-    };
+    }
+    __device__ __forceinline__ void save_state(float* to, int j0, int dv) const {
+        for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
+            const int i = idx / DC_COLS, c = idx % DC_COLS, j = j0 + c;
+            if (j < dv) to[(long)i * dv + j] = S[i * DC_SS + c];
+        }
+    }
+    // Columns j0.. of rows [t0, t0 + L) of u [.., dv] into Us (zeros past L and dv), and the
+    // chunk's γ (rows past L keep the last); the block sees them after its next barrier.
+    __device__ __forceinline__ void load_u(const float* u, const float* gam, int t0, int L, int j0, int dv) {
+        if (tid < DC_CHUNK) g[tid] = gam[t0 + min(tid, L - 1)];
+        for (int idx = tid; idx < DC_CHUNK * DC_COLS; idx += DC_THREADS) {
+            const int r = idx / DC_COLS, c = idx % DC_COLS, j = j0 + c;
+            Us[r * DC_SS + c] = r < L && j < dv ? u[(long)(t0 + r) * dv + j] : 0.0f;
+        }
+    }
+    // acc += buf[16 mt.., 0..K) · B[0..K, 16 nt..) for B one of S, Us (row stride DC_SS).
+    __device__ __forceinline__ void product(float* acc, int mt, int nt, const float* B, int K) const {
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            mma_split_t a, b;
+            mma_split_a(a, buf + mt * 16 * bs + k0, bs);
+            mma_split_bt(b, B + k0 * DC_SS + nt * 16, DC_SS);
+            mma16_split(acc, a, b);
+        }
+    }
+};
 
+// Launch: grid (Hv, ceil(dv / DC_COLS)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+    delta_chunk_state(const float* kn, const float* w, float* u, const float* gam, float* state, float* hs, int T,
+                      int key_heads, int value_heads, int dk, int dv) {
+    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
+    DcBlock blk(dc_smem, dk);
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS;
+    const int kh = h / (value_heads / key_heads), chunks = (T + DC_CHUNK - 1) / DC_CHUNK;
+    float* Sg = state + (long)h * dk * dv;
+    float* uh = u + (long)h * T * dv;
+    blk.load_state(Sg, j0, dv);
     for (int t0 = 0, chunk = 0; t0 < T; t0 += DC_CHUNK, chunk++) {
         const int L = min(DC_CHUNK, T - t0);
-        __syncthreads();  // the previous chunk is done with U and γ
-        if (tid < DC_CHUNK) g[tid] = gam[(long)h * T + t0 + min(tid, L - 1)];
-        for (int idx = tid; idx < DC_CHUNK * DC_COLS; idx += DC_THREADS) {
-            const int r = idx / DC_COLS, j = j0 + idx % DC_COLS;
-            Us[idx] = r < L && j < dv ? u[((long)h * T + t0 + r) * dv + j] : 0.0f;
-        }
-        stage(w + (long)h * T * dk, t0, L, dk);
-        if (tid < L) k_decay[tid] = expf(g[L - 1] - g[tid]);
+        __syncthreads();  // the previous chunk is done with U and γ, and S is whole
+        blk.load_u(uh, gam + (long)h * T, t0, L, j0, dv);
+        blk.save_state(hs + ((long)h * chunks + chunk) * dk * dv, j0, dv);
+        blk.stage(w + (long)h * T * dk, t0, L, dk);
 
-        // U = Ũ − W·S (each thread its own entries).
-        float ws[DC_RPT][4] = {};
-        times_state(ws);
+        // U = Ũ − W·S, kept for delta_chunk_out; Us then holds exp(γ_L − γ_s) U[s] for the update.
+        for (int tile = blk.warp; tile < DC_OUT_TILES; tile += DC_WARPS) {
+            const int mt = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+            float acc[MMA_ACC] = {};
+            blk.product(acc, mt, nt, blk.S, blk.dk16);
 #pragma unroll
-        for (int m = 0; m < DC_RPT; m++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) Us[(tr + DC_RSTEP * m) * DC_COLS + jc + x] -= ws[m][x];
-
-        // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
-        stage(qn + (long)kh * T * dk, t0, L, dk);
-        float o[DC_RPT][4] = {};
-        times_state(o);
-#pragma unroll
-        for (int m = 0; m < DC_RPT; m++) {
-            const float gamma_t = expf(g[tr + DC_RSTEP * m]);
-#pragma unroll
-            for (int x = 0; x < 4; x++) o[m][x] *= gamma_t;
-        }
-        stage(p + ((long)h * ((T + DC_CHUNK - 1) / DC_CHUNK) + chunk) * DC_CHUNK * DC_CHUNK, 0, DC_CHUNK, DC_CHUNK);
-        for (int s = 0; s < L; s++) {
-            const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
-#pragma unroll
-            for (int m = 0; m < DC_RPT; m++) {
-                const float pv = buf[(tr + DC_RSTEP * m) * bs + s];
-                o[m][0] += pv * us.x;
-                o[m][1] += pv * us.y;
-                o[m][2] += pv * us.z;
-                o[m][3] += pv * us.w;
+            for (int i = 0; i < MMA_ACC; i++) {
+                const int r = mt * 16 + mma_row(i), c = nt * 16 + mma_col(i);
+                const float v = blk.Us[r * DC_SS + c] - acc[i];
+                if (r < L && j0 + c < dv) uh[(long)(t0 + r) * dv + j0 + c] = v;
+                blk.Us[r * DC_SS + c] = v * expf(blk.g[L - 1] - blk.g[r]);
             }
         }
-#pragma unroll
-        for (int m = 0; m < DC_RPT; m++) {
-            const int t = tr + DC_RSTEP * m;
-            if (t >= L) continue;
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-                if (j0 + jc + x < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + jc + x] = o[m][x];
-        }
 
-        // S ← Γ_L · S + K̃ᵀ · U: rows tr + DC_RSTEP·m of S at once (this thread's alone).
-        stage(kn + (long)kh * T * dk, t0, L, dk);
-        const float gamma_l = expf(g[L - 1]);
-        float4 sv[DC_SRPT];
+        // S ← Γ_L · S + K̂ᵀ · Us: each thread its own entries of S.
+        blk.stage(kn + (long)kh * T * dk, t0, L, dk);
+        const float gamma_l = expf(blk.g[L - 1]);
+        for (int tile = blk.warp; tile < blk.dk16 / 16 * (DC_COLS / 16); tile += DC_WARPS) {
+            const int it = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+            float acc[MMA_ACC];
 #pragma unroll
-        for (int m = 0; m < DC_SRPT; m++) {
-            const int i = tr + DC_RSTEP * m;
-            sv[m] = i < dk ? *(const float4*)&S[i * DC_COLS + jc] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            sv[m].x *= gamma_l;
-            sv[m].y *= gamma_l;
-            sv[m].z *= gamma_l;
-            sv[m].w *= gamma_l;
-        }
-        for (int s = 0; s < L; s++) {
-            const float4 us = *(const float4*)&Us[s * DC_COLS + jc];
-            const float decay = k_decay[s];
-#pragma unroll
-            for (int m = 0; m < DC_SRPT; m++) {
-                const int i = tr + DC_RSTEP * m;
-                const float kv = i < dk ? buf[s * bs + i] * decay : 0.0f;
-                sv[m].x += kv * us.x;
-                sv[m].y += kv * us.y;
-                sv[m].z += kv * us.z;
-                sv[m].w += kv * us.w;
+            for (int i = 0; i < MMA_ACC; i++) acc[i] = gamma_l * blk.S[(it * 16 + mma_row(i)) * DC_SS + nt * 16 + mma_col(i)];
+            for (int s0 = 0; s0 < DC_CHUNK; s0 += 16) {
+                mma_split_t a, b;
+                mma_split_at(a, blk.buf + s0 * blk.bs + it * 16, blk.bs);
+                mma_split_bt(b, blk.Us + s0 * DC_SS + nt * 16, DC_SS);
+                mma16_split(acc, a, b);
             }
-        }
 #pragma unroll
-        for (int m = 0; m < DC_SRPT; m++) {
-            const int i = tr + DC_RSTEP * m;
-            if (i < dk) *(float4*)&S[i * DC_COLS + jc] = sv[m];
+            for (int i = 0; i < MMA_ACC; i++) blk.S[(it * 16 + mma_row(i)) * DC_SS + nt * 16 + mma_col(i)] = acc[i];
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < dk * DC_COLS; idx += DC_THREADS) {
-        const int i = idx / DC_COLS, j = j0 + idx % DC_COLS;
-        if (j < dv) Sg[(long)i * dv + j] = S[idx];
+    blk.save_state(Sg, j0, dv);
+}
+
+// Launch: grid (Hv, ceil(dv / DC_COLS), ceil(T / DC_CHUNK)), block DC_THREADS.
+ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(DC_THREADS, 2)
+    delta_chunk_out(const float* qn, const float* u, const float* p, const float* gam, const float* hs, float* out,
+                    int T, int key_heads, int value_heads, int dk, int dv) {
+    extern __shared__ __attribute__((aligned(16))) float dc_smem[];
+    DcBlock blk(dc_smem, dk);
+    const int h = blockIdx.x, j0 = blockIdx.y * DC_COLS, chunk = blockIdx.z;
+    const int kh = h / (value_heads / key_heads), chunks = (T + DC_CHUNK - 1) / DC_CHUNK;
+    const int t0 = chunk * DC_CHUNK, L = min(DC_CHUNK, T - t0);
+    blk.load_state(hs + ((long)h * chunks + chunk) * dk * dv, j0, dv);
+    blk.load_u(u + (long)h * T * dv, gam + (long)h * T, t0, L, j0, dv);
+
+    // o = Γ_t · q̂_t·S, then + Σ_{s≤t} P[t][s] U[s].
+    blk.stage(qn + (long)kh * T * dk, t0, L, dk);
+    float o[DC_WARP_TILES][MMA_ACC] = {};
+#pragma unroll
+    for (int m = 0; m < DC_WARP_TILES; m++) {
+        const int tile = blk.warp + m * DC_WARPS;
+        if (tile >= DC_OUT_TILES) continue;
+        const int mt = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+        blk.product(o[m], mt, nt, blk.S, blk.dk16);
+#pragma unroll
+        for (int i = 0; i < MMA_ACC; i++) o[m][i] *= expf(blk.g[mt * 16 + mma_row(i)]);
+    }
+    blk.stage(p + ((long)h * chunks + chunk) * DC_CHUNK * DC_CHUNK, 0, DC_CHUNK, DC_CHUNK);
+#pragma unroll
+    for (int m = 0; m < DC_WARP_TILES; m++) {
+        const int tile = blk.warp + m * DC_WARPS;
+        if (tile >= DC_OUT_TILES) continue;
+        const int mt = tile / (DC_COLS / 16), nt = tile % (DC_COLS / 16);
+        blk.product(o[m], mt, nt, blk.Us, DC_CHUNK);
+#pragma unroll
+        for (int i = 0; i < MMA_ACC; i++) {
+            const int t = mt * 16 + mma_row(i), c = nt * 16 + mma_col(i);
+            if (t < L && j0 + c < dv) out[((long)(t0 + t) * value_heads + h) * dv + j0 + c] = o[m][i];
+        }
     }
 }

@@ -1087,10 +1087,13 @@ __device__ __forceinline__ float split_sum(const float* part, int tokens, int n,
 // staged as fp8_gemv_input stages it (times norm_w, times 2^-FP8_X_SHIFT), the products
 // fp8_rows_dot's; leaves the unit's sums in `part` and returns true in the block that finishes the
 // row group (after every unit's sums have landed). A norm's scale needs the sum of squares of a
-// token's whole input in the one-token kernel's order: token_rms_scale computes it in a launch
-// before. K % 16 == 0.
-__device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, const float* norm_w, int K, int tokens,
-                                          float* part, int* tickets) {
+// token's whole input in the one-token kernel's order: block u of each row group takes token u's
+// (fp8_gemv_input's stage_input4 and block_sum over as many threads: the same bits) while its first
+// weights stream in, and leaves it in norms[row group][u] for the block that finishes the group (a
+// launch of its own before cost more than the reading). K % 16 == 0.
+static_assert(GEMV1_TOKENS <= FP8_UNITS && SPLIT_TILES == FP8_UNITS, "a unit's block for each token's norm");
+__device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, const float* norm_w, float eps, int K,
+                                          int tokens, float* part, int* tickets, float* norms) {
     extern __shared__ __attribute__((aligned(16))) uint4 split_x8[];
     const int unit = blockIdx.y, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, chunks = K / 16;
@@ -1101,6 +1104,11 @@ __device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, c
     pdl_launch_dependents();
     pipeline_fill(st, unit, FP8_UNITS, fetch);
     pdl_wait();  // weights are constant; x, the norms and the outputs belong to the previous kernels
+    if (norm_w && unit < tokens) {
+        __shared__ float scratch[32];
+        const float total = block_sum(stage_input4(x + (long)unit * K, norm_w, K, [](int, float4) {}), scratch);
+        if (threadIdx.x == 0) norms[blockIdx.x * GEMV1_TOKENS + unit] = rsqrtf(total / K + eps);
+    }
     // Token n's four columns q of share block m (K block unit + FP8_UNITS m) as two f16 pairs.
     uint2* staged = (uint2*)split_x8;
     for (int p = threadIdx.x; p < tokens * share * 32; p += blockDim.x) {
@@ -1137,33 +1145,22 @@ __device__ __forceinline__ bool split_dot(const Fp8Rows& tile, const float* x, c
     return split_publish(acc[0], acc[1], tokens, part, tickets);
 }
 
-// rsqrt(mean(x^2) + eps) of each token's input (grid tokens, block FP8_UNITS * 32), its sum of
-// squares taken as fp8_gemv_input takes it in the one-token kernel (the same threads, the same bits).
-ATLAS_KERNEL void token_rms_scale(const float* x, const float* norm_w, float eps, int K, float* out) {
-    __shared__ float scratch[32];
-    pdl_launch_dependents();
-    pdl_wait();
-    const float ss = stage_input4(x + (long)blockIdx.x * K, norm_w, K, [](int, float4) {});
-    const float total = block_sum(ss, scratch);
-    if (threadIdx.x == 0) out[blockIdx.x] = rsqrtf(total / K + eps);
-}
-
-// A token's factor for its sums: fp8_rows_dot's 2^FP8_X_SHIFT, times the norm's scale that
-// token_rms_scale left in `norms` (null without a norm).
-__device__ __forceinline__ float split_scale(const float* norms, int n) {
+// Token n's factor for its sums in the block that finishes its row group: fp8_rows_dot's
+// 2^FP8_X_SHIFT, times the norm's scale that split_dot left in `norms` (with a norm).
+__device__ __forceinline__ float split_scale(const float* norms, bool normed, int n) {
     float s = 1 << FP8_X_SHIFT;
-    if (norms) s *= norms[n];
+    if (normed) s *= ((const volatile float*)norms)[blockIdx.x * GEMV1_TOKENS + n];
     return s;
 }
 
-// As gemv1_fp8_tokens, split by unit: its arguments, then the partial sums, the tickets and the
-// norms' scales (token_rms_scale's; null without a norm).
+// As gemv1_fp8_tokens, split by unit: its arguments, then the partial sums, the tickets and room
+// for the norm's scales (GEMV1_TOKENS floats a row group).
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
     gemv1_fp8_split(const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const unsigned char* w3,
                     const float* s0, const float* s1, const float* s2, const float* s3, const float* b0, const float* b1,
                     const float* b2, const float* b3, float* y0, float* y1, float* y2, float* y3, int n0, int n1, int n2,
                     int n3, const float* x, const float* norm_w, float eps, const float* residual, int K, int tokens,
-                    float* part, int* tickets, const float* norms) {
+                    float* part, int* tickets, float* norms) {
     const int total = n0 + n1 + n2 + n3, first = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 16;
     Fp8Rows tile;
 #pragma unroll
@@ -1173,7 +1170,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
         gemv1_segment(r < total ? r : 0, n0, n1, n2, seg, n);
         tile.set(h, gemv1_pick(seg, w0, w1, w2, w3), gemv1_pick(seg, s0, s1, s2, s3), n, K);
     }
-    if (!split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    if (!split_dot(tile, x, norm_w, eps, K, tokens, part, tickets, norms)) return;
     const int group_rows = SPLIT_TILES * 16;
     for (int i = threadIdx.x; i < tokens * group_rows; i += blockDim.x) {
         const int token = i / group_rows, r = blockIdx.x * group_rows + i % group_rows;
@@ -1182,7 +1179,7 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
         gemv1_segment(r, n0, n1, n2, seg, n);
         const float* bias = gemv1_pick(seg, b0, b1, b2, b3);
         const long at = (long)token * gemv1_pick(seg, n0, n1, n2, n3) + n;
-        const float out = split_sum(part, tokens, token, r) * split_scale(norms, token);
+        const float out = split_sum(part, tokens, token, r) * split_scale(norms, norm_w != nullptr, token);
         gemv1_pick(seg, y0, y1, y2, y3)[at] = out + (bias ? bias[n] : 0.0f) + (seg == 0 && residual ? residual[at] : 0.0f);
     }
 }
@@ -1193,18 +1190,18 @@ ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
 ATLAS_KERNEL void ATLAS_LAUNCH_BOUNDS(SPLIT_TILES * 32, 3)
     gemv1_gate_up_fp8_split(const unsigned char* g, const unsigned char* u, const float* sg, const float* su,
                             const float* gate_bias, const float* up_bias, const float* x, const float* norm_w, float eps,
-                            float* out, int N, int K, int tokens, float* part, int* tickets, const float* norms) {
+                            float* out, int N, int K, int tokens, float* part, int* tickets, float* norms) {
     const int mine = (blockIdx.x * SPLIT_TILES + threadIdx.x / 32) * 8 + threadIdx.x % 32 / 4;
     Fp8Rows tile;
     tile.set(0, g, sg, mine < N ? mine : 0, K);
     tile.set(1, u, su, mine < N ? mine : 0, K);
-    if (!split_dot(tile, x, norm_w, K, tokens, part, tickets)) return;
+    if (!split_dot(tile, x, norm_w, eps, K, tokens, part, tickets, norms)) return;
     const int outputs = SPLIT_TILES * 8;
     for (int i = threadIdx.x; i < tokens * outputs; i += blockDim.x) {
         const int token = i / outputs, o = i % outputs, n = blockIdx.x * outputs + o;
         if (n >= N) continue;
         const int row = (blockIdx.x * SPLIT_TILES + o / 8) * 16 + o % 8;  // its gate row; up 8 further
-        const float s = split_scale(norms, token);
+        const float s = split_scale(norms, norm_w != nullptr, token);
         const float gv = split_sum(part, tokens, token, row) * s + (gate_bias ? gate_bias[n] : 0.0f);
         const float uv = split_sum(part, tokens, token, row + 8) * s + (up_bias ? up_bias[n] : 0.0f);
         out[(long)token * N + n] = gv / (1.0f + expf(-gv)) * uv;

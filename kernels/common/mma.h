@@ -17,6 +17,14 @@
 // its transpose Bt [k][n] (n contiguous), as A · V with V [k][n] needs. For the fragment API, A and B must be in shared memory
 // with 16-byte aligned rows (lda, ldb multiples of 8, 16-byte aligned tile origin): NVIDIA reads
 // them with ldmatrix.
+//
+// f32 operands to near-f32 accuracy: each value split into bf16 hi (x rounded) and lo (the rest,
+// rounded; 16 significant bits together), and A·B taken as hi·hi + hi·lo + lo·hi (the lo·lo
+// term, under 2^-16 of a product, left out). From f32 in shared memory, any stride:
+//   mma_split_t a, b;  mma_split_a(a, A, lda);  mma_split_b(b, B, ldb);  mma16_split(acc, a, b);
+// mma_split_at(a, At, ldat) loads A from its transpose At [k][m], mma_split_bt(b, Bt, ldbt) B from
+// its transpose Bt [k][n]. Without matrix cores the product
+// is the plain f32 loop.
 #pragma once
 #include "portable.h"
 
@@ -84,6 +92,20 @@ __device__ __forceinline__ void mma16_frag(float* acc, const mma_frag_t& a, cons
             : "+f"(acc[h * 4 + 0]), "+f"(acc[h * 4 + 1]), "+f"(acc[h * 4 + 2]), "+f"(acc[h * 4 + 3])
             : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2 * h]), "r"(b.r[2 * h + 1]));
 }
+// Register j of an A fragment holds row g + 8 (j & 1), k 8 (j >> 1) + 2t, +1; of a B fragment
+// (as mma_load_b gives it) n g + 8 (j >> 1), k 8 (j & 1) + 2t, +1. get(row, k) reads the operand.
+#define MMA_SPLIT_NATIVE 1
+template <bool IS_B, class Get>
+__device__ __forceinline__ void mma_split_fill(mma_frag_t& hi, mma_frag_t& lo, Get get) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int row = g + 8 * (IS_B ? j >> 1 : j & 1), k = c + 8 * (IS_B ? j & 1 : j >> 1);
+        const float x0 = get(row, k), x1 = get(row, k + 1);
+        hi.r[j] = bf16x2_pack(x0, x1);
+        lo.r[j] = bf16x2_pack(x0 - __uint_as_float(hi.r[j] << 16), x1 - __uint_as_float(hi.r[j] & 0xffff0000u));
+    }
+}
 
 #elif defined(ATLAS_HIP) && (defined(__gfx1100__) || defined(__gfx1101__) || defined(__gfx1102__) || \
                              defined(__gfx1103__) || defined(__gfx1150__) || defined(__gfx1151__)) && \
@@ -96,6 +118,8 @@ __device__ __forceinline__ int mma_row(int i) { return 2 * i + (threadIdx.x % 32
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
 struct mma_frag_t { short16_t v; };
+#define MMA_LANE_K0 0
+#define MMA_LANE_KN 16
 __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
     const int r = threadIdx.x % 16;
 #pragma unroll
@@ -126,6 +150,8 @@ __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 32) / 16)
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
 struct mma_frag_t { short8_t v; };
+#define MMA_LANE_K0 (((threadIdx.x % 32) / 16) * 8)
+#define MMA_LANE_KN 8
 __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
     const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 32) / 16) * 8;
 #pragma unroll
@@ -157,6 +183,8 @@ __device__ __forceinline__ int mma_row(int i) { return ((threadIdx.x % 64) / 16)
 __device__ __forceinline__ int mma_col(int i) { return threadIdx.x % 16; }
 
 struct mma_frag_t { short4_t v; };
+#define MMA_LANE_K0 (((threadIdx.x % 64) / 16) * 4)
+#define MMA_LANE_KN 4
 __device__ __forceinline__ void mma_load_a(mma_frag_t& f, const bf16* A, int lda) {
     const int r = threadIdx.x % 16, k0 = ((threadIdx.x % 64) / 16) * 4;
 #pragma unroll
@@ -222,6 +250,60 @@ __device__ __forceinline__ void mma16(float* acc, const bf16* A, int lda, const 
     mma_load_a(a, A, lda);
     mma_load_b(b, B, ldb);
     mma16_frag(acc, a, b);
+}
+#endif
+
+// The split products (see the top of this file).
+#if defined(MMA_SPLIT_NATIVE) || defined(MMA_LANE_KN)
+struct mma_split_t { mma_frag_t hi, lo; };
+#ifndef MMA_SPLIT_NATIVE
+// AMD: lane l holds row l % 16 (of A, or n of B), k MMA_LANE_K0 .. + MMA_LANE_KN, for both operands.
+template <bool IS_B, class Get>
+__device__ __forceinline__ void mma_split_fill(mma_frag_t& hi, mma_frag_t& lo, Get get) {
+    const int r = threadIdx.x % 16, k0 = MMA_LANE_K0;
+#pragma unroll
+    for (int k = 0; k < MMA_LANE_KN; k++) {
+        const float x = get(r, k0 + k);
+        const bf16 h = f32_to_bf16(x);
+        hi.v[k] = (short)h;
+        lo.v[k] = (short)f32_to_bf16(x - bf16_to_f32(h));
+    }
+}
+#endif
+__device__ __forceinline__ void mma_split_a(mma_split_t& f, const float* A, int lda) {
+    mma_split_fill<false>(f.hi, f.lo, [&](int r, int k) { return A[r * lda + k]; });
+}
+__device__ __forceinline__ void mma_split_at(mma_split_t& f, const float* At, int ldat) {
+    mma_split_fill<false>(f.hi, f.lo, [&](int r, int k) { return At[k * ldat + r]; });
+}
+__device__ __forceinline__ void mma_split_b(mma_split_t& f, const float* B, int ldb) {
+    mma_split_fill<true>(f.hi, f.lo, [&](int n, int k) { return B[n * ldb + k]; });
+}
+__device__ __forceinline__ void mma_split_bt(mma_split_t& f, const float* Bt, int ldbt) {
+    mma_split_fill<true>(f.hi, f.lo, [&](int n, int k) { return Bt[k * ldbt + n]; });
+}
+__device__ __forceinline__ void mma16_split(float* acc, const mma_split_t& a, const mma_split_t& b) {
+    mma16_frag(acc, a.lo, b.hi);
+    mma16_frag(acc, a.hi, b.lo);
+    mma16_frag(acc, a.hi, b.hi);
+}
+#else
+// No matrix cores: where the operand lies (element (r, k) at p[r * ld + k * k_step]), and the
+// product in f32.
+struct mma_split_t { const float* p; int ld, k_step; };
+__device__ __forceinline__ void mma_split_a(mma_split_t& f, const float* A, int lda) { f = {A, lda, 1}; }
+__device__ __forceinline__ void mma_split_at(mma_split_t& f, const float* At, int ldat) { f = {At, 1, ldat}; }
+__device__ __forceinline__ void mma_split_b(mma_split_t& f, const float* B, int ldb) { f = {B, ldb, 1}; }
+__device__ __forceinline__ void mma_split_bt(mma_split_t& f, const float* Bt, int ldbt) { f = {Bt, 1, ldbt}; }
+__device__ __forceinline__ void mma16_split(float* acc, const mma_split_t& a, const mma_split_t& b) {
+#pragma unroll
+    for (int i = 0; i < MMA_ACC; i++) {
+        const int r = mma_row(i), c = mma_col(i);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 16; k++) s += a.p[r * a.ld + k * a.k_step] * b.p[c * b.ld + k * b.k_step];
+        acc[i] += s;
+    }
 }
 #endif
 

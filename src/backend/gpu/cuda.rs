@@ -51,14 +51,15 @@ unsafe impl Send for CudaRuntime {}
 // SAFETY: as above.
 unsafe impl Sync for CudaRuntime {}
 
-pub(crate) const KERNELS: [&str; 143] = [
+pub(crate) const KERNELS: [&str; 144] = [
     "silu_mul", "to_bf16", "add_inplace", "copy_spans", "embed_bf16", "embed_fp8", "fill_random_bf16", "fill_random_fp8", "rms_norm",
     "norm_rope", "qkv_rope_append", "rope", "gemv1_bf16", "gemv1_fp8", "gemv1_gate_up_bf16", "gemv1_gate_up_fp8",
     "gemv1_bf16_tokens", "gemv1_bf16_tokens4", "gemv1_gate_up_bf16_tokens", "gemv1_gate_up_bf16_tokens4", "gemv1_fp8_tokens", "gemv1_fp8_long", "gemv1_gate_up_fp8_long", "gemv1_gate_up_fp8_tokens", "gemv_bf16", "gemm_bf16", "gemm_fp8", "kv_append", "attention_decode", "flash_attention", "argmax", "top_k",
     "logit_adjust", "log_partition", "draw_in_order",
     "moe_route", "moe_gate_up_bf16", "moe_gate_up_fp8", "moe_down_bf16", "moe_down_fp8", "moe_count", "moe_index",
     "moe_gather", "moe_gemm_bf16", "moe_gemm_fp8", "moe_combine",
-    "conv1d_silu", "conv1d_silu_rows", "gated_delta_rule", "gated_delta_rule_rows", "delta_chunk_prep", "delta_chunk_scan",
+    "conv1d_silu", "conv1d_silu_rows", "gated_delta_rule", "gated_delta_rule_rows", "delta_chunk_prep", "delta_chunk_state",
+    "delta_chunk_out",
     "gated_rms_norm", "sigmoid_gate",
     "embed_packed", "dequant_packed_bf16", "dequant_fp8_bf16", "gemm_packed",
     "gemv1_q8_0", "gemv1_q4_0", "gemv1_q4_1", "gemv1_q4_k", "gemv1_q5_k", "gemv1_q6_k", "gemv1_iq4_nl", "gemv1_iq4_xs",
@@ -83,14 +84,13 @@ pub(crate) const KERNELS: [&str; 143] = [
 ];
 
 /// Kernels that exist only where mma.sync does (kernels/linear.hip's BF16_ROWS_MMA, sm_80+).
-const MMA_KERNELS: [&str; 7] = [
+const MMA_KERNELS: [&str; 6] = [
     "gemv1_bf16_mma",
     "gemv1_bf16_mma_tokens",
     "gemv1_gate_up_bf16_mma",
     "gemv1_gate_up_bf16_mma_tokens",
     "gemv1_fp8_split",
     "gemv1_gate_up_fp8_split",
-    "token_rms_scale",
 ];
 
 /// Kernels that exist only where wgmma does (kernels/gemm.hip, sm_90a).

@@ -23,18 +23,21 @@ const DC_THREADS: u32 = 256;
 const DC_MAX_DK: usize = 128;
 const DC_COLS: usize = 32;
 /// Tokens per pass of the chunked rule: its scratch (W, Ũ, q̂, k̂, P, γ: about 2·(dk + dv)·Hv
-/// floats a token) is sized for this many, whatever the prompt's length.
+/// floats a token; the state as each chunk finds it, dk·dv·Hv floats a chunk) is sized for this
+/// many, whatever the prompt's length.
 const DC_SLICE: usize = 1024;
 /// Grid y and z extents are at most this.
 const MAX_GRID_YZ: usize = 65_535;
 
-/// Dynamic shared memory of delta_chunk_prep and delta_chunk_scan for key heads of `dk` (the
-/// sums in their header comments).
+/// Dynamic shared memory of delta_chunk_prep and of delta_chunk_state and delta_chunk_out for key
+/// heads of `dk` (the sums in their header comments).
 fn chunked_shared_bytes(dk: usize) -> (usize, usize) {
     let f32s = std::mem::size_of::<f32>();
-    let prep = DC_CHUNK * (dk + 1).max(DC_CHUNK + 1) + DC_CHUNK * (DC_CHUNK + 1) + 4 * DC_CHUNK;
-    let buf_stride = dk.max(DC_CHUNK) + 4;
-    let scan = DC_CHUNK * buf_stride + dk * DC_COLS + DC_CHUNK * DC_COLS + 2 * DC_CHUNK;
+    let dk16 = dk.div_ceil(16) * 16;
+    let buf_stride = dk16.max(DC_CHUNK) + 4;
+    let prep = DC_CHUNK * buf_stride + DC_CHUNK * (DC_CHUNK + 4) + 4 * DC_CHUNK + (DC_CHUNK / 16 - 1) * 16 * (16 + 4);
+    let state_stride = DC_COLS + 4;
+    let scan = DC_CHUNK * buf_stride + dk16 * state_stride + DC_CHUNK * state_stride + DC_CHUNK;
     (prep * f32s, scan * f32s)
 }
 
@@ -207,7 +210,7 @@ impl GpuBackend {
         Ok(out)
     }
 
-    /// The chunked form (kernels/delta_net.hip, delta_chunk_prep then delta_chunk_scan) over
+    /// The chunked form (kernels/delta_net.hip, delta_chunk_prep, delta_chunk_state, delta_chunk_out) over
     /// slices of at most DC_SLICE tokens, the state carried from slice to slice. `inputs`: qkv,
     /// a, b, a_log, dt_bias as launch_gated_delta_rule takes them (checked there).
     fn chunked_delta_rule(&self, inputs: [&GpuTensor; 5], state: &mut GpuTensor, out: &GpuTensor, shape: DeltaShape) -> Result<()> {
@@ -222,7 +225,9 @@ impl GpuBackend {
         let u = self.tensor(hv * slice, dv)?;
         let p = self.tensor(hv * chunks, DC_CHUNK * DC_CHUNK)?;
         let gam = self.tensor(hv, slice)?;
+        let hs = self.tensor(hv * chunks * dk, dv)?;
         int("gated delta rule scratch", hv * slice * dk.max(dv))?;
+        int("gated delta rule scratch", hv * chunks * dk * dv)?;
         int("gated delta rule scratch", hv * chunks * DC_CHUNK * DC_CHUNK)?;
         let (prep_shared, scan_shared) = chunked_shared_bytes(dk);
         let f32s = std::mem::size_of::<f32>() as u64;
@@ -238,14 +243,17 @@ impl GpuBackend {
             .concat();
             let grid = [hv as u32, len.div_ceil(DC_CHUNK) as u32, 1];
             self.rt.launch("delta_chunk_prep", grid, [DC_THREADS, 1, 1], prep_shared as u32, &prep)?;
-            let scan = [
-                [&qn, &kn, &w, &u, &p, &gam, &*state].map(|x| Arg::Ptr(x.buf.ptr)).to_vec(),
+            let walk = [[&kn, &w, &u, &gam, &*state, &hs].map(|x| Arg::Ptr(x.buf.ptr)).to_vec(), sizes.to_vec()].concat();
+            let col_blocks = dv.div_ceil(DC_COLS) as u32;
+            self.rt.launch("delta_chunk_state", [hv as u32, col_blocks, 1], [DC_THREADS, 1, 1], scan_shared as u32, &walk)?;
+            let outs = [
+                [&qn, &u, &p, &gam, &hs].map(|x| Arg::Ptr(x.buf.ptr)).to_vec(),
                 vec![at(out, hv * dv)],
                 sizes.to_vec(),
             ]
             .concat();
-            let grid = [hv as u32, dv.div_ceil(DC_COLS) as u32, 1];
-            self.rt.launch("delta_chunk_scan", grid, [DC_THREADS, 1, 1], scan_shared as u32, &scan)?;
+            let grid = [hv as u32, col_blocks, len.div_ceil(DC_CHUNK) as u32];
+            self.rt.launch("delta_chunk_out", grid, [DC_THREADS, 1, 1], scan_shared as u32, &outs)?;
         }
         Ok(())
     }

@@ -448,6 +448,9 @@ const GEMV1_TOKENS: usize = 8;
 const SPLIT_UNITS: usize = 8;
 const SPLIT_TILES: usize = 8;
 const SPLIT_MAX_GROUPS: usize = 16_384;
+// Block u of a row group computes token u's norm scale (u < tokens <= GEMV1_TOKENS) with as many
+// threads as the one-token kernel, so that each token's scale has the bits it has alone.
+const _: () = assert!(32 * SPLIT_TILES as u32 == FP8_GEMV_THREADS && SPLIT_UNITS >= GEMV1_TOKENS);
 /// The FP8 one-token, one-tile kernel's weight slots in shared memory (kernels/linear.hip's
 /// Fp8Async): FP8_ASYNC_SLOTS of them, each 16 rows of FP8_SLOT_ROW bytes and FP8_SLOT_SCALES
 /// floats.
@@ -721,8 +724,7 @@ impl GpuBackend {
             // which gives it the same bits.
             let (kernel, tokens_arg) = w.gemv1_kernel("gemv1", x.rows, rows, self.gemv_device());
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let norm_arg = norm.map(|(w, eps)| (w.buf.ptr, eps));
-            let split = self.split_args(w, rows, x.buf.ptr + at(x.cols), tokens, norm_arg, x.rows > 1)?;
+            let split = self.split_args(w, rows, tokens, x.rows > 1)?;
             args.extend(split.iter().flat_map(|s| s.1.iter().copied()));
             let (grid, block, shared) = w.gemv1_launch(rows, 1, norm.is_some(), tokens, x.rows > 1, self.gemv_device());
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
@@ -730,29 +732,19 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// The split kernels' last arguments where `w` takes them for `tokens` rows of `x` (from
-    /// `x_ptr`) over `rows` tile rows (`GpuWeight::split`): a temporary for each unit's sums
-    /// ([units][tokens][rows of the grid]), the row groups' tickets, and with a norm the norm's
-    /// scale of each token (after the sums, from a token_rms_scale launch; else 0). The buffer
-    /// must outlive the launch.
-    fn split_args(&self, w: &GpuWeight, rows: usize, x_ptr: u64, tokens: usize, norm: Option<(u64, f32)>, several: bool) -> Result<Option<(DeviceBuffer, Vec<Arg>)>> {
+    /// The split kernels' last arguments where `w` takes them for `tokens` rows over `rows` tile
+    /// rows (`GpuWeight::split`): a temporary for each unit's sums ([units][tokens][rows of the
+    /// grid]) followed by room for the norm's scale of each token in each row group (which the
+    /// kernel fills where it has a norm), and the row groups' tickets. The buffer must outlive the
+    /// launch.
+    fn split_args(&self, w: &GpuWeight, rows: usize, tokens: usize, several: bool) -> Result<Option<(DeviceBuffer, Vec<Arg>)>> {
         if !w.split(rows, several, self.gemv_device()) {
             return Ok(None);
         }
         let groups = rows.div_ceil(16 * SPLIT_TILES);
         let sums = byte_size("split partial sums", &[SPLIT_UNITS, tokens, groups * 16 * SPLIT_TILES, 4])?;
-        let part = self.scratch(sums + GEMV1_TOKENS * 4)?;
-        let mut args = vec![Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS)];
-        let norms = match norm {
-            Some((norm_w, eps)) => {
-                let norms = part.ptr + sums as u64;
-                let scale_args = [Arg::Ptr(x_ptr), Arg::Ptr(norm_w), Arg::F32(eps), Arg::I32(w.cols as i32), Arg::Ptr(norms)];
-                self.rt.launch_early("token_rms_scale", [tokens as u32, 1, 1], [FP8_GEMV_THREADS, 1, 1], 0, &scale_args)?;
-                norms
-            }
-            None => 0,
-        };
-        args.push(Arg::Ptr(norms));
+        let part = self.scratch(sums + groups * GEMV1_TOKENS * 4)?;
+        let args = vec![Arg::Ptr(part.ptr), Arg::Ptr(self.tickets()? + Scratch::SPLIT_TICKETS), Arg::Ptr(part.ptr + sums as u64)];
         Ok(Some((part, args)))
     }
 
@@ -1660,7 +1652,7 @@ impl Backend for GpuBackend {
             };
             let (kernel, tokens_arg) = g.gemv1_kernel("gemv1_gate_up", x.rows, tile_rows, dev);
             args.extend(tokens_arg.map(|_| Arg::I32(tokens as i32)));
-            let split = self.split_args(g, tile_rows, x.buf.ptr + at(x.cols), tokens, Some((norm.buf.ptr, eps)), x.rows > 1)?;
+            let split = self.split_args(g, tile_rows, tokens, x.rows > 1)?;
             args.extend(split.iter().flat_map(|s| s.1.iter().copied()));
             let (grid, block, shared) = g.gemv1_launch(tile_rows, tiles, true, tokens, x.rows > 1, dev);
             self.rt.launch_early(&kernel, grid, block, shared, &args)?;
