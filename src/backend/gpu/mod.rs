@@ -1341,6 +1341,10 @@ impl Backend for GpuBackend {
         self.rt.describe()
     }
 
+    fn steps_round_alike(&self) -> bool {
+        false
+    }
+
     fn supports(&self, cap: Capability) -> bool {
         match cap {
             // The attention kernels pad heads to their tiles.
