@@ -217,6 +217,12 @@ pub trait Backend: Send + Sync {
     fn supports(&self, cap: Capability) -> bool {
         matches!(cap, Capability::HeadDim(_))
     }
+    /// Whether a step of several tokens gives each position the bits a one-token step gives it.
+    /// The CPU's kernels do; a GPU's prefill GEMMs, attention and chunked recurrences add in
+    /// another order than its decode kernels.
+    fn steps_round_alike(&self) -> bool {
+        true
+    }
 
     fn upload_weight(&self, w: Box<dyn QuantMatrix>) -> Result<Self::Weight>;
     /// One layer's `count` routed experts: `expert(n)` hands over expert n's matrices (gate and up

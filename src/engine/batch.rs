@@ -249,6 +249,7 @@ pub(super) struct SlotModel {
     description: String,
     can_rewind: bool,
     recurrent: bool,
+    steps_round_alike: bool,
     can_draft: bool,
     /// What the backend can do on the device (asked once).
     masks_on_device: bool,
@@ -275,6 +276,7 @@ impl SlotModel {
             description: model.backend_description(),
             can_rewind: model.can_rewind(),
             recurrent: model.is_recurrent(),
+            steps_round_alike: model.steps_round_alike(),
             can_draft: model.can_draft(),
             masks_on_device,
             adjusts_on_device,
@@ -365,6 +367,10 @@ impl LanguageModel for SlotModel {
 
     fn is_recurrent(&self) -> bool {
         self.recurrent
+    }
+
+    fn steps_round_alike(&self) -> bool {
+        self.steps_round_alike
     }
 
     fn save(&mut self, start: usize, end: usize, with_state: bool) -> Result<SavedCache> {

@@ -785,6 +785,11 @@ impl Engine {
     /// sequences' decode steps run between pieces. A model with recurrent layers ends pieces
     /// every `PrefixCache::state_every` positions too, saving the state at each: a later prompt
     /// that agrees with this one only so far resumes there.
+    ///
+    /// Where a step of several tokens rounds differently from a one-token step (a GPU), the last
+    /// stretch is the last prompt token alone: the logits that choose the first token are then
+    /// the same whether the prompt before it came from the cache (which leaves only that token
+    /// to run) or not, at the cost of one more step.
     fn prefill_in_pieces(&mut self, prompt: &[u32]) -> Result<usize> {
         let mut start = self.cached.len();
         let (budget, every) = {
@@ -793,10 +798,11 @@ impl Engine {
         };
         let states = self.model.is_recurrent() && budget > 0;
         let chunk = if self.batch.is_some() && self.prefill_chunk > 0 { self.prefill_chunk } else { usize::MAX };
+        let pieces_end = if self.model.steps_round_alike() { prompt.len() } else { prompt.len() - 1 };
         loop {
             let boundary = if states { (start / every + 1) * every } else { usize::MAX };
-            let end = boundary.min(start.saturating_add(chunk));
-            if end >= prompt.len() {
+            let end = boundary.min(start.saturating_add(chunk)).min(pieces_end);
+            if end >= prompt.len() || end == start {
                 return Ok(start);
             }
             self.model.step(&prompt[start..end], start, StepOutput::Argmax { limit: usize::MAX })?;
@@ -1028,6 +1034,9 @@ impl LanguageModel for Noted {
     }
     fn can_rewind(&self) -> bool {
         self.inner.can_rewind()
+    }
+    fn steps_round_alike(&self) -> bool {
+        self.inner.steps_round_alike()
     }
     fn save(&mut self, start: usize, end: usize, with_state: bool) -> Result<SavedCache> {
         self.inner.save(start, end, with_state)

@@ -67,6 +67,10 @@ pub trait LanguageModel: Send {
     fn is_recurrent(&self) -> bool {
         !self.can_rewind()
     }
+    /// See `Backend::steps_round_alike`.
+    fn steps_round_alike(&self) -> bool {
+        true
+    }
 
     /// Copies positions `start..end` of the cache out: every attention layer's keys and values,
     /// and with `with_state` every recurrent layer's state, which must then be at `end` (the
@@ -715,6 +719,10 @@ impl<B: Backend + 'static> LanguageModel for Bound<B> {
 
     fn can_rewind(&self) -> bool {
         !self.recurrent
+    }
+
+    fn steps_round_alike(&self) -> bool {
+        self.backend.steps_round_alike()
     }
 
     fn step_with(&mut self, tokens: &[u32], start_pos: usize, want: StepOutput, meanwhile: &mut Meanwhile<'_>) -> Result<StepResult> {

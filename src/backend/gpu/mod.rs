@@ -1333,6 +1333,10 @@ impl Backend for GpuBackend {
         self.rt.describe()
     }
 
+    fn steps_round_alike(&self) -> bool {
+        false
+    }
+
     fn supports(&self, cap: Capability) -> bool {
         match cap {
             // The attention kernels pad heads to their tiles.
