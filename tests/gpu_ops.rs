@@ -1777,7 +1777,8 @@ fn drafting_on_the_gpu_changes_no_greedy_answer() {
 /// A seeded request gives the same tokens and log-probabilities whether its prompt was computed or
 /// came from the cache: run again (all but the last prompt token cached), and after a prompt that
 /// shares only its first 60 tokens (the cache reused that far). The GPU's prefill rounds otherwise
-/// than its decode step, so the last prompt token always runs alone (`Engine::prefill_in_pieces`).
+/// than its decode step, so a dense model's last prompt token always runs alone; a hybrid one
+/// resumes only at saved states and repeats its pieces from there (`Engine::prefill_in_pieces`).
 #[test]
 fn a_cached_prompt_gives_the_bits_of_an_uncached_one() {
     if gpu().is_none() {

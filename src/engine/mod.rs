@@ -786,10 +786,12 @@ impl Engine {
     /// every `PrefixCache::state_every` positions too, saving the state at each: a later prompt
     /// that agrees with this one only so far resumes there.
     ///
-    /// Where a step of several tokens rounds differently from a one-token step (a GPU), the last
-    /// stretch is the last prompt token alone: the logits that choose the first token are then
-    /// the same whether the prompt before it came from the cache (which leaves only that token
-    /// to run) or not, at the cost of one more step.
+    /// Where a step of several tokens rounds differently from a one-token step (a GPU) and the
+    /// cache may end anywhere (a model without recurrent layers reuses any cached prefix), the
+    /// last stretch is the last prompt token alone: the logits that choose the first token are
+    /// then the same whether the prompt before it came from the cache (which leaves only that
+    /// token to run) or not, at the cost of one more step. A recurrent model resumes only where
+    /// a state was saved, and runs the same pieces from there as the first time.
     fn prefill_in_pieces(&mut self, prompt: &[u32]) -> Result<usize> {
         let mut start = self.cached.len();
         let (budget, every) = {
@@ -798,7 +800,7 @@ impl Engine {
         };
         let states = self.model.is_recurrent() && budget > 0;
         let chunk = if self.batch.is_some() && self.prefill_chunk > 0 { self.prefill_chunk } else { usize::MAX };
-        let pieces_end = if self.model.steps_round_alike() { prompt.len() } else { prompt.len() - 1 };
+        let pieces_end = if self.model.steps_round_alike() || !self.model.can_rewind() { prompt.len() } else { prompt.len() - 1 };
         loop {
             let boundary = if states { (start / every + 1) * every } else { usize::MAX };
             let end = boundary.min(start.saturating_add(chunk)).min(pieces_end);
