@@ -800,7 +800,7 @@ impl Engine {
         };
         let states = self.model.is_recurrent() && budget > 0;
         let chunk = if self.batch.is_some() && self.prefill_chunk > 0 { self.prefill_chunk } else { usize::MAX };
-        let pieces_end = if self.model.steps_round_alike() || !self.model.can_rewind() { prompt.len() } else { prompt.len() - 1 };
+        let pieces_end = if self.model.steps_round_alike() || self.model.is_recurrent() { prompt.len() } else { prompt.len() - 1 };
         loop {
             let boundary = if states { (start / every + 1) * every } else { usize::MAX };
             let end = boundary.min(start.saturating_add(chunk)).min(pieces_end);
